@@ -1,4 +1,4 @@
-"""Codecs: how one cached activation is stored between forward and backward.
+"""The codec interface, the registry and the `exact` codec.
 
 Every codec has one interface::
 

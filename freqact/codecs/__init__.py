@@ -1,0 +1,14 @@
+"""Codecs: how one cached activation is stored between forward and backward.
+
+Every codec has one interface::
+
+    packed = codec.encode(x)      # x: any tensor the engine routes to this codec
+    x_hat = codec.decode(packed)  # same shape, dtype and device as x
+    packed.nbytes                 # exact bytes the packed form holds
+
+`get(name, **params)` builds a codec by name and `names()` lists them. The codecs live in small
+modules by family; importing this package registers all of them.
+"""
+from freqact.codecs.base import Codec, Exact, get, names, register, tensor_nbytes
+
+__all__ = ["Codec", "Exact", "get", "names", "register", "tensor_nbytes"]
