@@ -1,0 +1,64 @@
+"""The package installs and runs the same way everywhere: metadata, environment, CLI entry points, CI."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+import yaml
+
+from freqact import cli
+from tests.conftest import REPO_ROOT
+
+
+def _name(requirement: str) -> str:
+    """The distribution name of a requirement string, normalised ('scikit-learn>=1' -> 'scikit-learn')."""
+    return re.split(r"[<>=!~;\[ ]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_environment_yml_lists_the_same_packages_as_pyproject():
+    meta = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    wanted = {_name(r) for r in meta["dependencies"] + meta["optional-dependencies"]["dev"]}
+    env = yaml.safe_load((REPO_ROOT / "environment.yml").read_text())
+    listed = set()
+    for dep in env["dependencies"]:
+        for item in dep["pip"] if isinstance(dep, dict) else [dep]:
+            if not item.startswith("-e"):
+                listed.add(_name(item))
+    listed -= {"python", "pip"}
+    assert listed == wanted, f"only in environment.yml: {listed - wanted}; only in pyproject: {wanted - listed}"
+    assert "python=3.11" in env["dependencies"]
+
+
+def test_ci_runs_the_readme_commands():
+    readme = (REPO_ROOT / "README.md").read_text()
+    block = re.search(r"## Quickstart\n.*?```(?:bash|sh)\n(.*?)```", readme, re.S)
+    assert block, "README.md needs a Quickstart section with one bash code block"
+    commands = [line for line in block.group(1).splitlines() if line.strip() and not line.startswith("#")]
+    assert len(commands) == 2, f"the Quickstart has exactly two commands, found {commands}"
+    install, test = commands
+    ci = (REPO_ROOT / ".ci" / "run").read_text()
+    assert install.split(" && ")[0] in ci, "CI must install with the README's install command"
+    assert test in ci.splitlines(), "CI must run the README's test command verbatim"
+
+
+def test_help_lists_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for name, *_ in cli._commands():
+        assert name in out
+
+
+def test_no_command_prints_help_and_succeeds(capsys):
+    assert cli.main([]) == 0
+    assert "usage: freqact" in capsys.readouterr().out
+
+
+def test_python_dash_m_runs_the_cli():
+    done = subprocess.run([sys.executable, "-m", "freqact", "--version"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("freqact ")
