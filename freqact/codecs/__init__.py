@@ -10,5 +10,24 @@ Every codec has one interface::
 modules by family; importing this package registers all of them.
 """
 from freqact.codecs.base import Codec, Exact, get, names, register, tensor_nbytes
+from freqact.codecs import cheap  # noqa: F401  (registers the exact-but-cheap codecs)
+from freqact.codecs.division import Division, DivisionNoHFC, DivisionNoLFC, Quant
+from freqact.codecs.spectral import HighFrequency, LowFrequency, SpectralPacked
+from freqact.kernels.reference import DivisionPacked
 
-__all__ = ["Codec", "Exact", "get", "names", "register", "tensor_nbytes"]
+__all__ = [
+    "Codec",
+    "Division",
+    "DivisionNoHFC",
+    "DivisionNoLFC",
+    "DivisionPacked",
+    "Exact",
+    "HighFrequency",
+    "LowFrequency",
+    "Quant",
+    "SpectralPacked",
+    "get",
+    "names",
+    "register",
+    "tensor_nbytes",
+]

@@ -1,0 +1,206 @@
+"""Helpers shared by the analyses: which layers to look at, capturing their maps, fixed batches.
+
+The analyses are pure functions (model + batch in, list of dicts out). This module also holds the
+few I/O edges the command line needs to feed them: resolving checkpoint paths, drawing the fixed
+test batch a checkpoint's run was evaluated on, and writing a table as CSV.
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import os
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from freqact import _validate, data
+from freqact.models import BLOCK_TYPES
+
+LAYER_SETS = ("blocks", "convs", "all")
+
+# Modules whose cached input is the one Theorem 3.1 is about: the weight gradient reads it.
+WEIGHT_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+
+
+def map_dims(x: torch.Tensor) -> int:
+    """How many trailing dims of `x` form one activation map (the codecs' map-layout policy).
+
+    (N, F) and (N, C, L) / (N, T, F) hold 1D maps, (N, C, H, W) 2D maps, (N, C, D, H, W) 3D maps.
+
+    Raises:
+        ValueError: for any other rank.
+    """
+    dims = {2: 1, 3: 1, 4: 2, 5: 3}.get(x.dim())
+    if dims is None:
+        raise ValueError(
+            f"x: expected activations of rank 2 to 5 ((N, F) ... (N, C, D, H, W)), got shape {tuple(x.shape)}"
+        )
+    return dims
+
+
+def select_layers(model: nn.Module, layers: str = "blocks") -> list[tuple[str, nn.Module, str]]:
+    """The modules whose activation maps an analysis reads, in definition order.
+
+    Args:
+        model: any module.
+        layers: `"blocks"`: the residual/dense/transformer blocks (`freqact.models.BLOCK_TYPES`),
+            whose *outputs* are read (the paper's Fig. 4); `"convs"`: every Conv1d/2d/3d and Linear,
+            whose *inputs* are read (the tensors cached for their weight gradients); `"all"`: both.
+
+    Returns:
+        [(name, module, "output" | "input")], one entry per selected module.
+
+    Raises:
+        ValueError: if `layers` is unknown or the model has no module of the chosen kind.
+    """
+    _validate.choice("layers", layers, LAYER_SETS)
+    picked = []
+    for name, module in model.named_modules():
+        if layers in ("blocks", "all") and isinstance(module, BLOCK_TYPES):
+            picked.append((name, module, "output"))
+        elif layers in ("convs", "all") and isinstance(module, WEIGHT_LAYERS):
+            picked.append((name, module, "input"))
+    if not picked:
+        raise ValueError(f"layers: the model {type(model).__name__} has no {layers!r} layers")
+    return picked
+
+
+@contextlib.contextmanager
+def scratch_state(model: nn.Module, train: bool) -> Iterator[nn.Module]:
+    """Run `model` in train/eval mode, then restore its mode and its buffers.
+
+    Forward passes in training mode update BatchNorm running statistics; an analysis must leave the
+    model it was given exactly as it found it. Run backward inside the block: BatchNorm saves its
+    running statistics for backward, and restoring them in place invalidates that graph.
+    """
+    was_training = model.training
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    model.train(train)
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+
+
+def capture(
+    model: nn.Module, x: torch.Tensor, picked: Sequence[tuple[str, nn.Module, str]]
+) -> list[tuple[str, torch.Tensor]]:
+    """Run `model(x)` in eval mode without autograd and return the selected maps.
+
+    Args:
+        model: the network.
+        x: its input batch, shape (N, *model input).
+        picked: from `select_layers`.
+
+    Returns:
+        [(layer name, detached tensor)] in call order; a module called k > 1 times in one forward
+        pass gives entries `name`, `name@1`, ..., `name@{k-1}`.
+    """
+    captured: list[tuple[str, torch.Tensor]] = []
+    calls: dict[str, int] = {}
+
+    def hook_for(name: str, which: str):
+        def hook(module, inputs, output):
+            count = calls.get(name, 0)
+            calls[name] = count + 1
+            tensor = output if which == "output" else inputs[0]
+            captured.append((name if count == 0 else f"{name}@{count}", tensor.detach()))
+
+        return hook
+
+    handles = [m.register_forward_hook(hook_for(name, which)) for name, m, which in picked]
+    try:
+        with scratch_state(model, train=False), torch.no_grad():
+            model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
+
+
+def resolve_checkpoints(paths: Sequence[str | os.PathLike]) -> list[Path]:
+    """Expand run directories into their epoch checkpoints; keep checkpoint files as given.
+
+    A run directory `RUN` contributes `RUN/ckpt/epoch-*.pt` in epoch order, or `RUN/ckpt/last.pt`
+    when it holds no epoch checkpoint.
+
+    Raises:
+        FileNotFoundError: if a path does not exist or a run directory holds no checkpoint.
+    """
+    found: list[Path] = []
+    for entry in map(Path, paths):
+        if entry.is_file():
+            found.append(entry)
+        elif entry.is_dir():
+            folder = entry / "ckpt" if (entry / "ckpt").is_dir() else entry
+            epochs = sorted(folder.glob("epoch-*.pt"))
+            if not epochs and (folder / "last.pt").is_file():
+                epochs = [folder / "last.pt"]
+            if not epochs:
+                raise FileNotFoundError(f"{entry}: no epoch-*.pt or last.pt checkpoint in {folder}")
+            found.extend(epochs)
+        else:
+            raise FileNotFoundError(f"{entry}: no such checkpoint or run directory")
+    return found
+
+
+def default_out_dir(checkpoint: Path) -> Path:
+    """`RUN/analysis` for a checkpoint in `RUN/ckpt/`, else `analysis/` beside the checkpoint."""
+    parent = checkpoint.resolve().parent
+    run = parent.parent if parent.name == "ckpt" else parent
+    return run / "analysis"
+
+
+def eval_batch(
+    model: nn.Module,
+    config: dict,
+    images: int,
+    data_dir: str | os.PathLike | None = None,
+    device: str | torch.device = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `images` test images of a run's dataset, as the run's model sees them.
+
+    Deterministic (no augmentation, no shuffling), so every checkpoint sees the same batch. Mirrors
+    how `freqact.train` loads a run's data: digits/synthetic shaped to the model's (C, H, W) input,
+    the run's seed and subset, flattened for models with a 1D input.
+
+    Args:
+        model: the run's model (its `input_shape` attribute is read).
+        config: the run config stored in its checkpoint (`dataset`, `data_dir`, `seed`, `subset`).
+        images: how many test images (fewer if the test set is smaller).
+        data_dir: overrides the data directory the run recorded.
+        device: where to put the batch.
+
+    Returns:
+        (x, y): float32 inputs (n, *model.input_shape) normalised as in training, int64 labels (n,).
+    """
+    _validate.positive_int("images", images)
+    shape = tuple(getattr(model, "input_shape", (3, 32, 32)))
+    ds = data.load(
+        config["dataset"],
+        data_dir if data_dir is not None else config.get("data_dir"),
+        shape=shape if len(shape) == 3 else (3, 32, 32),
+        subset=config.get("subset"),
+        seed=config.get("seed", 0),
+    )
+    x = data.normalize(ds.test_images[:images], ds.mean, ds.std)
+    if len(shape) == 1:
+        x = x.flatten(1)
+    return x.to(device), ds.test_labels[:images].to(device)
+
+
+def write_csv(rows: Sequence[dict], path: str | os.PathLike) -> Path:
+    """Write a list of dicts as CSV (columns: the union of keys in first-seen order)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path

@@ -1,0 +1,279 @@
+"""Theorem 3.1 measured: weight-gradient errors of LFC-ACT and HFC-ACT against their bounds.
+
+For a conv/linear layer l with cached input x = x_L + x_H (DCT low-pass split) and output gradient
+∇y, the weight gradient G(z) = ∇W computed from a cached input z is linear in z. Caching only x_L
+therefore errs by exactly G(x_L) − G(x) = −G(x_H), and caching only x_H by −G(x_L). `kernel_factor`
+bounds ‖G(z)‖_F ≤ c_l · ‖∇y‖_F · ‖z‖_F, and ‖x_H‖_F = λ^H, ‖x_L‖_F = λ^L by Parseval (orthonormal
+DCT), so
+
+    err^L = ‖Ĝ^L − G‖_F ≤ GEB^L = c_l ‖∇y‖_F λ^H,    err^H = ‖Ĝ^H − G‖_F ≤ GEB^H = c_l ‖∇y‖_F λ^L,
+
+with norms over the whole batch tensor. The end-to-end variant runs the whole network under
+`freqact.engine.compress(model, "lfc" | "hfc", ratio=...)` and compares each layer's weight gradient
+with the exact one, so errors from earlier (in backward order) layers propagate.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freqact import _validate, dct, engine
+from freqact.analysis.common import WEIGHT_LAYERS, map_dims, scratch_state
+
+_CONV_WEIGHT_GRAD = {
+    1: torch.nn.grad.conv1d_weight,
+    2: torch.nn.grad.conv2d_weight,
+    3: torch.nn.grad.conv3d_weight,
+}
+
+# Rounding slack of the "bound holds" test, relative to c_l·‖∇y‖·‖x‖ (the scale of G(x)): a layer
+# whose mask keeps everything has λ^H = 0, and its measured err^L is pure rounding.
+_BOUND_RTOL = {torch.float32: 1e-4, torch.float64: 1e-10}
+
+
+def _padding(module: nn.Module, spatial: int) -> list[tuple[int, int]]:
+    """(left, right) zero/reflect/... padding of each spatial dim of a conv, as its forward uses it."""
+    if module.padding == "valid":
+        return [(0, 0)] * spatial
+    if module.padding == "same":
+        # PyTorch puts the odd element of the total padding d·(k−1) on the right
+        totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size)]
+        return [(t // 2, t - t // 2) for t in totals]
+    return [(p, p) for p in module.padding]
+
+
+def _max_reads(size: int, kernel: int, stride: int, dilation: int, pad: tuple[int, int], mode: str) -> int:
+    """Along one dim: the most (tap, output position) pairs that read any one input element.
+
+    The padded signal is built from input indices (−1 for a zero pad), so reflect/replicate/circular
+    copies of an element count as reads of that element.
+    """
+    index = torch.arange(size, dtype=torch.float64).view(1, 1, size)
+    if mode == "zeros":
+        index = F.pad(index, pad, value=-1.0)
+    else:
+        index = F.pad(index, pad, mode=mode)
+    index = index.view(-1).long()
+    outputs = (index.numel() - dilation * (kernel - 1) - 1) // stride + 1
+    if outputs < 1:
+        return 0
+    taps = stride * torch.arange(outputs)[:, None] + dilation * torch.arange(kernel)[None, :]
+    read = index[taps.view(-1)]
+    return int(torch.bincount(read[read >= 0], minlength=size).max())
+
+
+def kernel_factor(module: nn.Module, input_shape: Sequence[int]) -> float:
+    """c_l with ‖∇W(z)‖_F ≤ c_l · ‖∇y‖_F · ‖z‖_F for every cached input z of the layer.
+
+    Derivation (conv, any stride s, padding p, dilation d, groups g, zero padding): for an output
+    channel o in group γ, an in-group input channel c and a tap t = (t_1, ..., t_k),
+
+        ∇W[o, c, t] = Σ_n Σ_u ∇y[n, o, u] · z̄[n, γ·C_in/g + c, s·u + d·t]
+
+    over output positions u, with z̄ the padded input. Cauchy–Schwarz over (n, u) gives
+    ∇W[o, c, t]² ≤ ‖∇y[:, o]‖² · Σ_{n,u} z̄[n, c', s·u + d·t]². Summing over the taps t, each input
+    element z[n, c', q] appears R(q) times, R(q) = the number of (t, u) pairs that read q; R factors
+    over the dims, R(q) = Π_i R_i(q_i), so Σ_t Σ_u z̄² ≤ R · ‖z[:, c']‖² with R = Π_i max R_i. Summing
+    over o and c within each group and then over the groups, Σ_γ A_γ B_γ ≤ (Σ A_γ)(Σ B_γ) gives
+
+        ‖∇W(z)‖_F ≤ sqrt(R) · ‖∇y‖_F · ‖z‖_F,     c_l = sqrt(Π_i max_q R_i(q)).
+
+    Groups change nothing (block structure). With zero padding R_i ≤ ceil(k_i / (s_i / gcd(s_i, d_i))):
+    taps i and i' can read the same element only if d·(i − i') ≡ 0 mod s, so with dilation the
+    familiar ceil(k/s) is not enough (k=5, s=2, d=2: all five taps share one parity). `_max_reads`
+    counts R_i exactly, edges and reflect/replicate/circular copies included; for stride 1 and a map
+    wider than the kernel's reach it is k_i, i.e. c_l = sqrt(k_h·k_w), the kernel-area factor. A
+    Linear layer (any leading dims, rows r) has ∇W = Σ_r ∇y_r ⊗ z_r, hence c_l = 1. The bound is
+    attained, e.g. by constant ∇y and z with circular padding (every step above is an equality).
+
+    Args:
+        module: a Conv1d/2d/3d or Linear.
+        input_shape: shape of its input, (N, C, *spatial) for a conv.
+
+    Returns:
+        c_l >= 0.
+
+    Raises:
+        TypeError: if `module` is not a conv/linear layer.
+    """
+    if isinstance(module, nn.Linear):
+        return 1.0
+    if not isinstance(module, WEIGHT_LAYERS):
+        raise TypeError(f"module: expected a Conv1d/2d/3d or Linear, got {type(module).__name__}")
+    spatial = len(module.kernel_size)
+    reads = 1
+    for size, k, s, d, pad in zip(
+        input_shape[-spatial:], module.kernel_size, module.stride, module.dilation, _padding(module, spatial)
+    ):
+        reads *= _max_reads(size, k, s, d, pad, module.padding_mode)
+    return math.sqrt(reads)
+
+
+def weight_grad(module: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """The weight gradient a conv/linear layer computes from a cached input and its output gradient.
+
+    Args:
+        module: a Conv1d/2d/3d or Linear (only its hyper-parameters and weight shape are read).
+        x: cached input, shape (N, C_in, *spatial) or (..., F_in).
+        grad_out: gradient of the loss w.r.t. the layer output, (N, C_out, *out_spatial) or (..., F_out).
+
+    Returns:
+        ∇W, shaped like `module.weight`, in the dtype of `x` (the bias gradient is not included).
+    """
+    if isinstance(module, nn.Linear):
+        return grad_out.reshape(-1, grad_out.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+    spatial = len(module.kernel_size)
+    pads = _padding(module, spatial)
+    grad_fn = _CONV_WEIGHT_GRAD[spatial]
+    if module.padding_mode == "zeros" and all(left == right for left, right in pads):
+        padding = [left for left, _ in pads]
+    else:  # other padding modes, and the asymmetric zero padding of "same", are applied explicitly
+        flat = [p for pair in reversed(pads) for p in pair]
+        x = F.pad(x, flat, mode="constant" if module.padding_mode == "zeros" else module.padding_mode)
+        padding = 0
+    return grad_fn(x, module.weight.shape, grad_out, module.stride, padding, module.dilation, module.groups)
+
+
+def _seeded_loss(model, x, y, loss_fn, seed) -> torch.Tensor:
+    """One forward pass under a fixed seed, so every pass draws the same dropout masks."""
+    devices = [x.device] if x.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        return loss_fn(model(x), y)
+
+
+def measure(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    ratio: float = 0.1,
+    end_to_end: bool = True,
+    train: bool = True,
+    seed: int = 0,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+) -> list[dict]:
+    """Per conv/linear layer: λ^L, λ^H, measured weight-gradient errors and their Theorem 3.1 bounds.
+
+    One exact forward/backward pass in the model's precision captures every layer's cached input x
+    and output gradient ∇y; per layer, G(x), G(x_L) and G(x_H) are then computed by `weight_grad`
+    from that same ∇y, so only layer l's cached input changes. They are computed in the batch's
+    precision (float64 batches give errors free of float32 cancellation; float32 keeps ResNet-18
+    on 128 images to seconds); "bound_holds" allows a rounding slack of 1e-4 (float32) or 1e-10
+    (float64) times c_l·‖∇y‖_F·‖x‖_F.
+    The model's mode and buffers (BatchNorm statistics) are restored afterwards.
+
+    Args:
+        model: the network; each conv/linear layer must run at most once per forward pass.
+        x: input batch, shape (N, *input_shape).
+        y: targets for `loss_fn`, e.g. int64 labels of shape (N,).
+        ratio: kept fraction W/N of each frequency axis of the cached inputs, in (0, 1].
+        end_to_end: also run the whole network under `engine.compress(model, "lfc"|"hfc")`.
+        train: run in training mode (BatchNorm batch statistics, dropout) as in training.
+        seed: RNG seed of every pass (identical dropout masks).
+        loss_fn: loss(model(x), y) -> scalar.
+
+    Returns:
+        One row per layer in call order: {"layer", "kind", "c", "grad_out_norm", "lam_L", "lam_H",
+        "err_L", "err_H", "GEB_L", "GEB_H", "bound_holds", "err_L_lt_err_H", "lam_L_gt_lam_H"} and,
+        with `end_to_end`, "e2e_err_L", "e2e_err_H" (float32 weight-gradient errors of the whole
+        network in LFC-ACT / HFC-ACT).
+
+    Raises:
+        ValueError: if the model has no conv/linear layer or runs one of them twice.
+    """
+    _validate.floating_tensor("x", x)
+    _validate.unit_ratio("ratio", ratio)
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, WEIGHT_LAYERS)]
+    if not layers:
+        raise ValueError(f"model: expected at least one Conv1d/2d/3d or Linear layer in {type(model).__name__}")
+    calls: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def hook_for(name):
+        def hook(module, inputs, output):
+            if name in calls:
+                raise ValueError(f"model: layer {name!r} runs more than once per forward pass (shared weights)")
+            calls[name] = (inputs[0].detach(), output)
+            # later layers get a copy, so an in-place edit downstream cannot change the tensor
+            # whose gradient we ask for
+            return output.clone()
+
+        return hook
+
+    handles = [m.register_forward_hook(hook_for(name)) for name, m in layers]
+    with scratch_state(model, train):
+        try:
+            loss = _seeded_loss(model, x, y, loss_fn, seed)
+        finally:
+            for handle in handles:
+                handle.remove()
+        order = list(calls)  # call order; layers the forward pass never ran are left out
+        modules = dict(layers)
+        weights = [modules[name].weight for name in order]
+        grads = torch.autograd.grad(loss, [calls[name][1] for name in order] + weights)
+        grad_out, exact = grads[: len(order)], grads[len(order) :]
+        e2e = {}
+        if end_to_end:
+            for band in ("lfc", "hfc"):
+                with engine.compress(model, band, ratio=ratio):
+                    loss = _seeded_loss(model, x, y, loss_fn, seed)
+                approx = torch.autograd.grad(loss, weights)
+                e2e[band] = [float((g - g0).norm()) for g, g0 in zip(approx, exact)]
+
+    rows = []
+    for i, name in enumerate(order):
+        rows.append(_layer_row(name, modules[name], calls[name][0], grad_out[i], ratio))
+        if end_to_end:
+            rows[-1].update(e2e_err_L=e2e["lfc"][i], e2e_err_H=e2e["hfc"][i])
+    return rows
+
+
+def _layer_row(name: str, module: nn.Module, x: torch.Tensor, grad_out: torch.Tensor, ratio: float) -> dict:
+    """The Theorem 3.1 quantities of one layer, in x's precision (float32 for half inputs)."""
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x, grad_out = x.to(dtype), grad_out.to(dtype)
+    dims = map_dims(x) if isinstance(module, nn.Linear) else len(module.kernel_size)
+    lfc, hfc = dct.split(x, ratio, dims=dims)
+    exact = weight_grad(module, x, grad_out)
+    err_l = float((weight_grad(module, lfc, grad_out) - exact).norm())
+    err_h = float((weight_grad(module, hfc, grad_out) - exact).norm())
+    c = kernel_factor(module, x.shape)
+    gy_norm = float(grad_out.norm())
+    lam_l, lam_h = float(lfc.norm()), float(hfc.norm())
+    geb_l, geb_h = c * gy_norm * lam_h, c * gy_norm * lam_l
+    slack = _BOUND_RTOL[dtype] * c * gy_norm * float(x.norm())
+    return {
+        "layer": name,
+        "kind": type(module).__name__,
+        "c": c,
+        "grad_out_norm": gy_norm,
+        "lam_L": lam_l,
+        "lam_H": lam_h,
+        "err_L": err_l,
+        "err_H": err_h,
+        "GEB_L": geb_l,
+        "GEB_H": geb_h,
+        "bound_holds": err_l <= geb_l + slack and err_h <= geb_h + slack,
+        "err_L_lt_err_H": err_l < err_h,
+        "lam_L_gt_lam_H": lam_l > lam_h,
+    }
+
+
+def summarize(rows: Sequence[dict]) -> dict:
+    """Counts over the layers of a `measure` table.
+
+    Returns:
+        {"layers", "bound_holds", "err_L_lt_err_H", "lam_L_gt_lam_H", "orderings_agree"}, the last
+        counting layers where (err^L < err^H) == (λ^L > λ^H), as Theorem 3.1 predicts.
+    """
+    return {
+        "layers": len(rows),
+        "bound_holds": sum(bool(r["bound_holds"]) for r in rows),
+        "err_L_lt_err_H": sum(bool(r["err_L_lt_err_H"]) for r in rows),
+        "lam_L_gt_lam_H": sum(bool(r["lam_L_gt_lam_H"]) for r in rows),
+        "orderings_agree": sum(bool(r["err_L_lt_err_H"]) == bool(r["lam_L_gt_lam_H"]) for r in rows),
+    }

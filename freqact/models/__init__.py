@@ -1,0 +1,122 @@
+"""The model zoo: models built by name, one file per family.
+
+::
+
+    model = freqact.models.get("resnet18", num_classes=10)
+    x = torch.randn(8, *model.input_shape)
+
+`names()` lists the registered names. Every model has an attribute `input_shape`, (C, H, W) of its
+default input. The residual/dense/transformer blocks are modules of the classes in `BLOCK_TYPES`,
+so an analysis finds the "block outputs" (the paper's Fig. 4) with `isinstance(m, BLOCK_TYPES)`.
+
+Models know nothing about compression. Activations are `nn.ReLU`/`nn.ReLU6`/`nn.GELU` modules (never
+`F.relu`) and none is in place, so the engine's hooks see every activation and no cached tensor is
+modified after it was saved.
+
+Initialisation ("standard", as in torchvision): convolutions `kaiming_normal_(mode="fan_out",
+nonlinearity="relu")` without bias, BatchNorm weight 1 and bias 0, Linear layers PyTorch's default
+(Kaiming-uniform, a=sqrt(5)). The ViT follows the ViT/DeiT recipe instead: Linear (and the patch
+projection, itself a linear map) `trunc_normal_(std=0.02)` with zero bias, LayerNorm 1/0.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Callable
+
+from torch import nn
+
+from freqact import _validate
+
+_REGISTRY: dict[str, Callable[..., nn.Module]] = {}
+
+
+def register(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: make a builder `fn(num_classes, **kwargs) -> nn.Module` available by name."""
+
+    def add(fn: Callable) -> Callable:
+        if name in _REGISTRY:
+            raise ValueError(f"model name {name!r} is registered twice")
+        _REGISTRY[name] = fn
+        return fn
+
+    return add
+
+
+def names() -> list[str]:
+    """The registered model names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get(name: str, num_classes: int = 10, **kwargs) -> nn.Module:
+    """Build the model registered as `name`, freshly initialised.
+
+    Args:
+        name: one of `names()`.
+        num_classes: size of the classifier output, shape (N, num_classes).
+        **kwargs: the family's explicit settings (e.g. `width`, `dropout`); see each builder.
+
+    Returns:
+        The model, in training mode, with an attribute `input_shape`.
+
+    Raises:
+        ValueError: if `name` is unknown (the message lists the known names) or a setting is out
+            of range.
+        TypeError: if a setting is not accepted by that model.
+    """
+    _validate.choice("name", name, tuple(names()))
+    _validate.positive_int("num_classes", num_classes)
+    try:
+        return _REGISTRY[name](num_classes=num_classes, **kwargs)
+    except TypeError as err:
+        raise TypeError(f"model {name!r}: {err}") from None
+
+
+def init_conv_bn(model: nn.Module) -> None:
+    """Standard CNN initialisation in place: Kaiming (fan_out) convs, BatchNorm 1/0.
+
+    Linear layers keep PyTorch's default initialisation.
+    """
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
+def check_dropout(value: object) -> float:
+    """Return `value` as float if it is a probability in [0, 1), else raise (argument `dropout`)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"dropout: expected a number in [0, 1), got {value!r}")
+    if not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"dropout: expected a number in [0, 1), got {value}")
+    return float(value)
+
+
+# The families import `register` and `init_conv_bn` from this module, so they are imported last.
+from freqact.models.densenet import DenseBlock, DenseNet  # noqa: E402
+from freqact.models.mlp import MLP  # noqa: E402
+from freqact.models.mobilenet import InvertedResidual, MobileNetV2  # noqa: E402
+from freqact.models.resnet import BasicBlock, Bottleneck, ResNet  # noqa: E402
+from freqact.models.vit import TransformerBlock, ViT  # noqa: E402
+
+BLOCK_TYPES: tuple[type[nn.Module], ...] = (BasicBlock, Bottleneck, DenseBlock, TransformerBlock)
+
+__all__ = [
+    "BLOCK_TYPES",
+    "BasicBlock",
+    "Bottleneck",
+    "DenseBlock",
+    "DenseNet",
+    "InvertedResidual",
+    "MLP",
+    "MobileNetV2",
+    "ResNet",
+    "TransformerBlock",
+    "ViT",
+    "get",
+    "names",
+    "register",
+]

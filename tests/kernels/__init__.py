@@ -1,0 +1,1 @@
+"""Tests of freqact.kernels (the Triton kernels and their dispatch)."""
