@@ -233,17 +233,24 @@ def _quantize(h: torch.Tensor, bits: int, noise: torch.Tensor | None, *, overwri
     return lo, step, _pack(q, bits)
 
 
+# Packing works on machine words, not on bytes: PyTorch's uint8 shifts are slow on the CPU. The
+# 8 // Q codes of one output byte are consecutive bytes, i.e. one little-endian integer of that many
+# bytes; code k sits at bit 8k of that word and belongs at bit Qk, a right shift by k * (8 - Q).
+_WORD = {1: torch.int64, 2: torch.int32, 4: torch.int16}
+
+
 def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes (N, C, P) -> (N, C, ceil(P * bits / 8)), little-endian within each byte."""
     per_byte = 8 // bits
     if per_byte == 1:
         return q
     tail = -q.shape[-1] % per_byte
-    if tail:
-        q = F.pad(q, (0, tail))
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=q.device)
-    # The shifted codes occupy disjoint bits, so their uint8 sum is their bitwise OR.
-    return (q.reshape(*q.shape[:-1], -1, per_byte) << shifts).sum(-1, dtype=torch.uint8)
+    q = F.pad(q, (0, tail)) if tail else q.contiguous()
+    word = q.view(_WORD[bits])  # one word per output byte; codes < 2**Q keep it non-negative
+    packed = word.clone()
+    for k in range(1, per_byte):
+        packed |= word >> (k * (8 - bits))
+    return (packed & 0xFF).to(torch.uint8)
 
 
 def _unpack(codes: torch.Tensor, count: int, bits: int) -> torch.Tensor:
@@ -251,9 +258,14 @@ def _unpack(codes: torch.Tensor, count: int, bits: int) -> torch.Tensor:
     per_byte = 8 // bits
     if per_byte == 1:
         return codes
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    q = (codes.unsqueeze(-1) >> shifts) & (2**bits - 1)
-    return q.reshape(*codes.shape[:-1], -1)[..., :count]
+    byte = codes.to(_WORD[bits])
+    word = byte.clone()
+    for k in range(1, per_byte):
+        word |= byte << (k * (8 - bits))
+    # Keep the low Q bits of every byte of the word: those are the codes, one per byte.
+    mask = int.from_bytes(bytes([2**bits - 1]) * per_byte, "little", signed=True)
+    q = (word & mask).view(torch.uint8)
+    return q[..., :count]
 
 
 # --- public encode / decode ----------------------------------------------------------------------

@@ -1,0 +1,127 @@
+"""Helpers shared by the benchmarks: timing, a plain-text table, and JSON results with machine info.
+
+Typical use::
+
+    from benchmarks.common import median_time, print_table, write_results
+
+    seconds = median_time(lambda: f(x), warmup=2, repeats=7)
+    print_table(["case", "time (ms)"], [["f", seconds * 1e3]])
+    write_results("dct-cpu", {"rows": rows})   # -> benchmarks/results/dct-cpu.json
+
+Run the benchmarks as modules from the repository root (``python -m benchmarks.dct_bench``), so
+that ``benchmarks`` and ``freqact`` both import.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def _synchronize(device: torch.device | str | None) -> None:
+    """Wait for queued kernels on an accelerator so that wall time covers the work."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(
+    fn: Callable[[], object],
+    *,
+    warmup: int = 2,
+    repeats: int = 7,
+    device: torch.device | str | None = None,
+) -> float:
+    """Median wall time of `fn()` in seconds, after `warmup` untimed calls.
+
+    The median (not the mean) because a shared machine adds one-sided outliers. With a CUDA
+    `device` the device is synchronized before and after every timed call.
+
+    Args:
+        fn: the work to time, called with no arguments; its result is discarded.
+        warmup: untimed calls first (caches, lazy initialisation, allocator growth).
+        repeats: timed calls (>= 1).
+        device: synchronize this device around each call (CUDA only).
+
+    Returns:
+        The median of `repeats` wall times, in seconds.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats: expected an integer >= 1, got {repeats}")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        _synchronize(device)
+        start = time.perf_counter()
+        fn()
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _cell(value: object) -> str:
+    """A table cell: floats with 4 significant digits, everything else as str."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "-" if value is None else str(value)
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A right-aligned plain-text table (header, rule, one line per row)."""
+    cells = [[str(h) for h in header]] + [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def print_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """Print `format_table(header, rows)`."""
+    print(format_table(header, rows))
+
+
+def machine_info(device: torch.device | str | None = None) -> dict:
+    """What the numbers depend on: versions, threads, CPU count, load and the accelerator."""
+    info = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        # A busy machine inflates every time; keep the load next to the numbers.
+        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+    if device is not None and torch.device(device).type == "cuda":
+        info["cuda_device"] = torch.cuda.get_device_name(device)
+        info["cuda_version"] = torch.version.cuda
+    return info
+
+
+def write_results(
+    name: str, payload: dict, *, device: torch.device | str | None = None, directory: Path | None = None
+) -> Path:
+    """Write `payload` plus `machine_info(device)` to `<directory>/<name>.json` and return the path.
+
+    Args:
+        name: file stem, e.g. "dct-cpu".
+        payload: JSON-serialisable results (lists/dicts of numbers and strings).
+        device: recorded in the machine info.
+        directory: defaults to benchmarks/results/.
+    """
+    directory = RESULTS_DIR if directory is None else Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
+    document = {"benchmark": name, "machine": machine_info(device), **payload}
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    return path

@@ -1,0 +1,136 @@
+"""Time `freqact.dct` against `scipy.fft.dctn` and (when installed) `torch_dct.dct_2d`.
+
+2D orthonormal DCT-II of float32 activation batches, all methods side by side in one run. Prints a
+table (median time, freqact's speed-up over each method, max relative error against a float64
+scipy oracle, rel. error = max|a - b| / max|b|) and writes benchmarks/results/dct-<device>.json.
+
+    python -m benchmarks.dct_bench                # CPU
+    python -m benchmarks.dct_bench --device cuda  # freqact/torch-dct on the GPU, scipy on the CPU
+
+By default scipy uses every core (workers=-1) and torch its default thread count; `--threads N`
+gives both N threads (`--threads 1` compares the algorithms when other jobs share the cores).
+torch-dct is optional (`pip install torch-dct`), never a freqact dependency.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+from typing import Callable
+
+import numpy as np
+import scipy
+import scipy.fft
+import torch
+
+from benchmarks.common import median_time, print_table, write_results
+from freqact.dct import dct
+
+SHAPES = ((128, 64, 32, 32), (32, 64, 56, 56))
+
+
+def _methods(x: torch.Tensor, workers: int) -> dict[str, Callable[[], torch.Tensor]]:
+    """name -> a call returning the 2D DCT of x (as a tensor) with that implementation."""
+    x_np = x.cpu().numpy()
+    methods = {
+        "freqact": lambda: dct(x, dims=2),
+        "scipy": lambda: torch.from_numpy(
+            scipy.fft.dctn(x_np, type=2, norm="ortho", axes=(-2, -1), workers=workers)
+        ),
+    }
+    if importlib.util.find_spec("torch_dct") is not None:
+        import torch_dct
+
+        methods["torch-dct"] = lambda: torch_dct.dct_2d(x, norm="ortho")
+    return methods
+
+
+def _torch_dct_version() -> str | None:
+    """The installed torch-dct version, or None when it is absent."""
+    try:
+        return importlib.metadata.version("torch-dct")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _rel_error(result: torch.Tensor, reference: np.ndarray) -> float:
+    """max|a - b| / max|b| against the float64 reference."""
+    diff = np.abs(result.detach().cpu().double().numpy() - reference).max()
+    return float(diff / np.abs(reference).max())
+
+
+def run(
+    device: str = "cpu", warmup: int = 2, repeats: int = 7, workers: int = -1, seed: int = 0
+) -> list[dict]:
+    """Time every method on every shape; return one dict per (shape, method).
+
+    `workers` is scipy's thread count (-1: every core); set torch's with torch.set_num_threads.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for shape in SHAPES:
+        x = torch.randn(shape, generator=generator).to(device)
+        reference = scipy.fft.dctn(x.cpu().double().numpy(), type=2, norm="ortho", axes=(-2, -1))
+        timed = {}
+        for name, fn in _methods(x, workers).items():
+            # scipy always runs on the host, so only the torch methods synchronize the device.
+            sync = None if name == "scipy" else device
+            seconds = median_time(fn, warmup=warmup, repeats=repeats, device=sync)
+            timed[name] = (seconds, _rel_error(fn(), reference))
+        freqact_seconds = timed["freqact"][0]
+        for name, (seconds, error) in timed.items():
+            rows.append(
+                {
+                    "shape": list(shape),
+                    "method": name,
+                    "device": "cpu" if name == "scipy" else device,
+                    "median_ms": seconds * 1e3,
+                    "freqact_speedup": seconds / freqact_seconds,
+                    "max_rel_error": error,
+                }
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None, help="torch and scipy threads")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device available")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads: expected an integer >= 1, got {args.threads}")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    rows = run(args.device, args.warmup, args.repeats, workers=args.threads or -1)
+    print_table(
+        ["shape", "method", "device", "median ms", "freqact speed-up", "max rel. error"],
+        [
+            ["x".join(map(str, r["shape"])), r["method"], r["device"], r["median_ms"],
+             r["freqact_speedup"], r["max_rel_error"]]
+            for r in rows
+        ],
+    )
+    settings = {
+        "dtype": "float32",
+        "dims": 2,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "scipy_workers": args.threads or -1,
+        "versions": {
+            "numpy": np.__version__,
+            "scipy": scipy.__version__,
+            "torch_dct": _torch_dct_version(),
+        },
+    }
+    name = f"dct-{args.device}" + (f"-{args.threads}thread" if args.threads else "")
+    path = write_results(name, {"settings": settings, "rows": rows}, device=args.device)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

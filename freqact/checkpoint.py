@@ -1,0 +1,116 @@
+"""Checkpoints: atomic writes, safe loading, and rebuilding the model a checkpoint was trained as.
+
+A checkpoint is a dict (see docs/ARCHITECTURE.md)::
+
+    {"format": "freqact-ckpt-1", "epoch": int, "config": dict of plain JSON types,
+     "model": state_dict, "optimizer": state_dict, "scheduler": state_dict,
+     "rng": {name: uint8 tensor or int}, "metrics": list[dict]}
+
+Files are only ever loaded with `torch.load(..., weights_only=True)`, which cannot run code, so the
+config must stay plain JSON types and RNG states are stored as tensors.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+
+from freqact import models
+
+FORMAT = "freqact-ckpt-1"
+
+
+def atomic_write(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` so that readers see the old file or the new one, never a part.
+
+    The bytes go to a temporary file in the same directory, which is flushed, fsynced and renamed
+    over `path`; the directory is fsynced so the rename itself survives a crash.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save(path: str | os.PathLike, obj: dict) -> None:
+    """Serialise `obj` with torch.save and write it atomically to `path` (see `atomic_write`)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    atomic_write(path, buffer.getvalue())
+
+
+def load(path: str | os.PathLike) -> dict:
+    """Load a freqact checkpoint on the CPU without running any code from the file.
+
+    Args:
+        path: a file written by `save` with a checkpoint dict.
+
+    Returns:
+        The checkpoint dict (tensors on the CPU).
+
+    Raises:
+        FileNotFoundError: if `path` does not exist.
+        ValueError: naming the file, if it is truncated, corrupt, needs anything but tensors and
+            plain types (weights_only refuses it), or is not a freqact checkpoint.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, zipfile.BadZipFile, ValueError,
+            KeyError, AttributeError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{path}: not a loadable checkpoint (truncated or corrupt?): "
+                         f"{first_line}") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        found = ckpt.get("format") if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise ValueError(f"{path}: expected a freqact checkpoint (format {FORMAT!r}), "
+                         f"got {found!r}")
+    return ckpt
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"
+               ) -> tuple[torch.nn.Module, dict]:
+    """Rebuild the model a checkpoint holds, with its trained weights, in eval mode.
+
+    Args:
+        path: a checkpoint written by `freqact train`.
+        device: where to put the model.
+
+    Returns:
+        (model, ckpt): the model from `freqact.models.get(config["model"],
+        num_classes=config["num_classes"])` with the checkpoint's weights, and the checkpoint dict.
+
+    Raises:
+        ValueError: if the file is not a checkpoint, or its weights do not fit the named model.
+    """
+    ckpt = load(path)
+    config = ckpt.get("config")
+    if not isinstance(config, dict) or not {"model", "num_classes"} <= config.keys():
+        raise ValueError(f"{path}: its config lacks 'model' and 'num_classes' "
+                         "(not written by freqact train)")
+    model = models.get(config["model"], num_classes=config["num_classes"])
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as err:
+        raise ValueError(f"{path}: weights do not fit model {config['model']!r}: {err}") from None
+    return model.to(device).eval(), ckpt

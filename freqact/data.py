@@ -1,0 +1,474 @@
+"""Datasets as in-memory uint8 tensors, and augmentation on the training device.
+
+Every dataset becomes a `Dataset`: train and test images as uint8 tensors (N, C, H, W), int64
+labels and per-channel normalisation constants. Whole datasets are small (CIFAR is 150 MB), so they
+are loaded once; batches are drawn by index and augmented as one tensor on the device, with no
+per-image Python loop.
+
+- `cifar10`, `cifar100`: the official python layout (`cifar-10-batches-py/`, `cifar-100-python/`)
+  in a data directory: the argument, else `$FREQACT_DATA`, else `./data`. The pickled batches are
+  parsed by `load_pickle`, an unpickler that can only rebuild plain containers and numeric numpy
+  arrays, so a crafted file cannot run code. `download=True` fetches the official archive and
+  checks its md5.
+- `digits`: scikit-learn's bundled 8x8 handwritten digits (works offline), resized bilinearly to
+  the requested (C, H, W) (default 3x32x32) with the gray level replicated over the channels.
+- `synthetic`: a seeded, learnable random dataset (class-dependent smooth patterns plus noise).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import tarfile
+import tempfile
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from freqact import _validate
+
+DATASETS = ("cifar10", "cifar100", "digits", "synthetic")
+
+# Official archives (https://www.cs.toronto.edu/~kriz/cifar.html) and their published md5 sums.
+_CIFAR = {
+    "cifar10": dict(
+        folder="cifar-10-batches-py",
+        url="https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
+        md5="c58f30108f718f92721af3b95e74349a",
+        train=[f"data_batch_{i}" for i in range(1, 6)],
+        test=["test_batch"],
+        label_key=b"labels",
+        num_classes=10,
+    ),
+    "cifar100": dict(
+        folder="cifar-100-python",
+        url="https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
+        md5="eb9058c3a382ffc7106e4002c42a8d85",
+        train=["train"],
+        test=["test"],
+        label_key=b"fine_labels",
+        num_classes=100,
+    ),
+}
+# Published CIFAR training-set statistics (the shared data's README confirms the CIFAR-10 ones).
+_CIFAR_MEAN = {"cifar10": (0.4914, 0.4822, 0.4465), "cifar100": (0.5071, 0.4865, 0.4409)}
+_CIFAR_STD = {"cifar10": (0.2470, 0.2435, 0.2616), "cifar100": (0.2673, 0.2564, 0.2762)}
+
+CIFAR_PADDING = 4  # the paper's recipe: random 32x32 crop of the 4-pixel zero-padded image
+
+
+@dataclass
+class Dataset:
+    """A whole dataset in memory.
+
+    Attributes:
+        name: one of `DATASETS`.
+        train_images: uint8, shape (N_train, C, H, W).
+        train_labels: int64, shape (N_train,).
+        test_images: uint8, shape (N_test, C, H, W).
+        test_labels: int64, shape (N_test,).
+        num_classes: number of classes; labels lie in [0, num_classes).
+        mean, std: per-channel normalisation constants for images scaled to [0, 1], length C.
+        augment: whether training batches get CIFAR augmentation (crop + flip).
+    """
+
+    name: str
+    train_images: torch.Tensor
+    train_labels: torch.Tensor
+    test_images: torch.Tensor
+    test_labels: torch.Tensor
+    num_classes: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    augment: bool = False
+
+
+def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
+    """The data directory: `data_dir`, else `$FREQACT_DATA`, else `./data`."""
+    if data_dir is not None:
+        return Path(data_dir)
+    return Path(os.environ.get("FREQACT_DATA") or "data")
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """An unpickler that can only rebuild builtin containers and numeric numpy arrays.
+
+    The CIFAR batches hold dicts, lists, bytes, ints and numpy arrays; rebuilding an array needs
+    three globals (numpy's array reconstructor, `numpy.ndarray` and `numpy.dtype`), and files
+    re-pickled by Python 3 at protocol <= 2 spell bytes as `_codecs.encode(str, "latin1")`.
+    Every other global, which is how a pickle runs code, is refused before anything is called.
+    Object dtypes are refused too: their payload would be unpickled objects, not numbers.
+    """
+
+    _RECONSTRUCT = np.ndarray(0).__reduce__()[0]  # numpy's own array reconstructor, any version
+
+    def find_class(self, module: str, name: str):
+        if module in ("numpy.core.multiarray", "numpy._core.multiarray") and name == "_reconstruct":
+            return self._RECONSTRUCT
+        if module == "numpy" and name == "ndarray":
+            return np.ndarray
+        if module == "numpy" and name == "dtype":
+            return _numeric_dtype
+        if module == "_codecs" and name == "encode":  # how Python 3 writes bytes at protocol <= 2
+            return _latin1_bytes
+        raise pickle.UnpicklingError(f"refusing to load global {module}.{name}")
+
+
+def _numeric_dtype(*args) -> np.dtype:
+    """`numpy.dtype(*args)` for the pickle loader; object and other non-numeric dtypes refused."""
+    dtype = np.dtype(*args)
+    if dtype.kind not in "biuf":
+        raise pickle.UnpicklingError(f"refusing non-numeric numpy dtype {dtype!s}")
+    return dtype
+
+
+def _latin1_bytes(text: str, encoding: str) -> bytes:
+    """`_codecs.encode(text, "latin1")` for the pickle loader; nothing else."""
+    if not isinstance(text, str) or encoding != "latin1":
+        raise pickle.UnpicklingError(f"refusing _codecs.encode with encoding {encoding!r}")
+    return text.encode("latin1")
+
+
+def load_pickle(path: str | os.PathLike) -> object:
+    """Load a pickle that may only contain builtin containers and numeric numpy arrays.
+
+    Args:
+        path: the pickle file (e.g. a CIFAR batch). Python 2 pickles are read with bytes keys.
+
+    Returns:
+        The unpickled object.
+
+    Raises:
+        ValueError: naming the file, if it is not such a pickle (truncated, corrupt, or asking for
+            any other global, which is how a pickle would run code).
+    """
+    try:
+        with open(path, "rb") as f:
+            return _SafeUnpickler(f, encoding="bytes").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as err:
+        raise ValueError(f"{path}: not a plain-data pickle ({err})") from None
+
+
+def _cifar_split(folder: Path, files: list[str], label_key: bytes
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate CIFAR batch files into (uint8 (N, 3, 32, 32), int64 (N,))."""
+    images, labels = [], []
+    for file in files:
+        batch = load_pickle(folder / file)
+        if not isinstance(batch, dict) or b"data" not in batch or label_key not in batch:
+            raise ValueError(f"{folder / file}: expected a dict with b'data' and {label_key!r}")
+        data = np.asarray(batch[b"data"], dtype=np.uint8)
+        if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(batch[label_key]) != len(data):
+            raise ValueError(
+                f"{folder / file}: expected data (N, 3072) and N labels, got data {data.shape} "
+                f"and {len(batch[label_key])} labels"
+            )
+        images.append(torch.from_numpy(data.reshape(-1, 3, 32, 32).copy()))
+        labels.append(torch.as_tensor(list(batch[label_key]), dtype=torch.int64))
+    return torch.cat(images), torch.cat(labels)
+
+
+def load_cifar(name: str, data_dir: str | os.PathLike | None = None, *,
+               download: bool = False) -> Dataset:
+    """Load CIFAR-10 or CIFAR-100 from the official python layout.
+
+    Args:
+        name: "cifar10" or "cifar100".
+        data_dir: the folder holding `cifar-10-batches-py/` or `cifar-100-python/`; default as in
+            `resolve_data_dir`.
+        download: fetch and unpack the official archive (md5-checked) when the folder is missing.
+
+    Returns:
+        The dataset; train images (50000, 3, 32, 32) for the official files. The test set's size
+        is whatever the test file holds.
+
+    Raises:
+        FileNotFoundError: if the files are missing and `download` is False, or the download fails
+            (the message says where it looked and how to provide the files).
+        ValueError: if a file is not a valid CIFAR batch.
+    """
+    _validate.choice("name", name, tuple(_CIFAR))
+    spec = _CIFAR[name]
+    root = resolve_data_dir(data_dir)
+    folder = root / spec["folder"]
+    missing = [f for f in spec["train"] + spec["test"] if not (folder / f).is_file()]
+    if missing and download:
+        download_cifar(name, root)
+    elif missing:
+        raise FileNotFoundError(
+            f"{name}: {folder} lacks {', '.join(missing)}. Pass --download (or download=True) to "
+            f"fetch {spec['url']}, unpack that archive into {root}, or point --data-dir / "
+            "$FREQACT_DATA at the folder that holds it"
+        )
+    train_x, train_y = _cifar_split(folder, spec["train"], spec["label_key"])
+    test_x, test_y = _cifar_split(folder, spec["test"], spec["label_key"])
+    for split, labels in (("train", train_y), ("test", test_y)):
+        if labels.numel() and not 0 <= int(labels.min()) <= int(labels.max()) < spec["num_classes"]:
+            raise ValueError(f"{folder}: {split} labels outside [0, {spec['num_classes']})")
+    return Dataset(name, train_x, train_y, test_x, test_y, spec["num_classes"],
+                   _CIFAR_MEAN[name], _CIFAR_STD[name], augment=True)
+
+
+def download_cifar(name: str, data_dir: str | os.PathLike | None = None, *,
+                   timeout: float = 10.0) -> Path:
+    """Download the official CIFAR archive, check its md5 and unpack it into the data directory.
+
+    Args:
+        name: "cifar10" or "cifar100".
+        data_dir: where to unpack; default as in `resolve_data_dir`.
+        timeout: seconds to wait for the server before failing (offline fails at once).
+
+    Returns:
+        The unpacked folder, e.g. `DATA/cifar-10-batches-py`.
+
+    Raises:
+        FileNotFoundError: if the server cannot be reached or the archive's md5 is wrong.
+    """
+    _validate.choice("name", name, tuple(_CIFAR))
+    spec = _CIFAR[name]
+    root = resolve_data_dir(data_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    md5 = hashlib.md5()
+    with tempfile.TemporaryFile(dir=root) as archive:
+        try:
+            with urllib.request.urlopen(spec["url"], timeout=timeout) as response:
+                for chunk in iter(lambda: response.read(1 << 20), b""):
+                    md5.update(chunk)
+                    archive.write(chunk)
+        except (urllib.error.URLError, OSError) as err:
+            raise FileNotFoundError(
+                f"{name}: could not download {spec['url']} ({err}); offline, download it elsewhere "
+                f"and unpack it into {root} (giving {root / spec['folder']}), or set --data-dir / "
+                "$FREQACT_DATA"
+            ) from None
+        if md5.hexdigest() != spec["md5"]:
+            raise FileNotFoundError(
+                f"{name}: {spec['url']} has md5 {md5.hexdigest()}, expected {spec['md5']}; "
+                "the download is corrupt, try again"
+            )
+        archive.seek(0)
+        with tarfile.open(fileobj=archive, mode="r:gz") as tar:
+            # "data" filter: no absolute paths, links out of the tree or device files.
+            tar.extractall(root, filter="data")
+    return root / spec["folder"]
+
+
+def load_digits(shape: tuple[int, int, int] = (3, 32, 32), *,
+                test_fraction: float = 0.2) -> Dataset:
+    """scikit-learn's bundled 8x8 digits, resized to `shape`; works offline.
+
+    The 0-16 gray levels are scaled to 0-255, resized bilinearly (F.interpolate,
+    align_corners=False) to (H, W), replicated over the C channels and rounded to uint8. The split
+    is deterministic: every sample whose index i satisfies i % round(1 / test_fraction) == 0 is a
+    test sample (every 5th at the default 0.2), which keeps the class balance of the file's order.
+
+    Args:
+        shape: (C, H, W) of the images to produce.
+        test_fraction: approximate fraction of the 1797 samples held out for testing, in (0, 1].
+
+    Returns:
+        The dataset, 10 classes, no augmentation.
+    """
+    from sklearn.datasets import load_digits as sk_digits
+
+    channels, height, width = _image_shape(shape)
+    _validate.unit_ratio("test_fraction", test_fraction)
+    digits = sk_digits()
+    gray = torch.as_tensor(digits.images, dtype=torch.float32).unsqueeze(1) * (255.0 / 16.0)
+    gray = F.interpolate(gray, size=(height, width), mode="bilinear", align_corners=False)
+    images = gray.round().clamp(0, 255).to(torch.uint8).expand(-1, channels, -1, -1).contiguous()
+    labels = torch.as_tensor(digits.target, dtype=torch.int64)
+    is_test = torch.arange(len(labels)) % max(1, round(1 / test_fraction)) == 0
+    mean, std = _channel_stats(images[~is_test])
+    return Dataset("digits", images[~is_test], labels[~is_test], images[is_test], labels[is_test],
+                   10, mean, std)
+
+
+def load_synthetic(
+    num_train: int = 512,
+    num_test: int = 256,
+    *,
+    shape: tuple[int, int, int] = (3, 32, 32),
+    num_classes: int = 10,
+    seed: int = 0,
+) -> Dataset:
+    """A seeded random dataset a small network learns within a few steps.
+
+    Each class owns a smooth pattern (random 4x4 grid, bilinearly upsampled to (H, W)); a sample is
+    its class pattern plus independent pixel noise, mapped to uint8. Same arguments, same data.
+
+    Args:
+        num_train, num_test: number of training / test samples.
+        shape: (C, H, W) of the images.
+        num_classes: number of classes.
+        seed: seed of the generator that draws patterns, labels and noise.
+
+    Returns:
+        The dataset, no augmentation.
+    """
+    channels, height, width = _image_shape(shape)
+    for arg, value in (("num_train", num_train), ("num_test", num_test),
+                       ("num_classes", num_classes)):
+        _validate.positive_int(arg, value)
+    gen = torch.Generator().manual_seed(seed)
+    grid = torch.randn(num_classes, channels, 4, 4, generator=gen)
+    patterns = F.interpolate(grid, size=(height, width), mode="bilinear", align_corners=False)
+
+    def draw(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        labels = torch.randint(num_classes, (n,), generator=gen)
+        x = patterns[labels] + 0.5 * torch.randn(n, channels, height, width, generator=gen)
+        return (128 + 40 * x).round().clamp(0, 255).to(torch.uint8), labels
+
+    train_x, train_y = draw(num_train)
+    test_x, test_y = draw(num_test)
+    mean, std = _channel_stats(train_x)
+    return Dataset("synthetic", train_x, train_y, test_x, test_y, num_classes, mean, std)
+
+
+def load(
+    name: str,
+    data_dir: str | os.PathLike | None = None,
+    *,
+    download: bool = False,
+    shape: tuple[int, int, int] = (3, 32, 32),
+    subset: int | None = None,
+    seed: int = 0,
+) -> Dataset:
+    """Load a dataset by name.
+
+    Args:
+        name: one of `DATASETS`.
+        data_dir: CIFAR's data directory (see `resolve_data_dir`); ignored by the others.
+        download: CIFAR only: fetch the archive when missing.
+        shape: (C, H, W) for digits and synthetic; CIFAR is always (3, 32, 32).
+        subset: keep only the first `subset` training images (the test set is always whole);
+            synthetic draws exactly `subset` training images (default 512).
+        seed: synthetic only: its generator seed.
+
+    Returns:
+        The dataset.
+    """
+    _validate.choice("dataset", name, DATASETS)
+    if subset is not None:
+        _validate.positive_int("subset", subset)
+    if name in _CIFAR:
+        ds = load_cifar(name, data_dir, download=download)
+    elif name == "digits":
+        ds = load_digits(shape)
+    else:
+        ds = load_synthetic(subset or 512, shape=shape, seed=seed)
+    if subset is not None:
+        ds.train_images, ds.train_labels = ds.train_images[:subset], ds.train_labels[:subset]
+    return ds
+
+
+def load_for_model(
+    name: str,
+    model: torch.nn.Module,
+    data_dir: str | os.PathLike | None = None,
+    *,
+    download: bool = False,
+    subset: int | None = None,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> Dataset:
+    """`load` shaped for `model`, with the whole dataset moved to `device` once.
+
+    digits/synthetic are made at the model's (C, H, W) `input_shape`; a model with a 1D input
+    (F,) gets 3x32x32 images flattened by `model_inputs`, so F must be 3072.
+
+    Args:
+        name, data_dir, download, subset, seed: as in `load`.
+        model: a network with an `input_shape` attribute ((C, H, W) or (F,); default (3, 32, 32)).
+        device: where the uint8 images and labels are kept (batches are then gathered there).
+
+    Returns:
+        The dataset, its tensors on `device`.
+
+    Raises:
+        ValueError: if the model's 1D input size does not match the images.
+    """
+    shape = tuple(getattr(model, "input_shape", (3, 32, 32)))
+    ds = load(name, data_dir, download=download, subset=subset, seed=seed,
+              shape=shape if len(shape) == 3 else (3, 32, 32))
+    image_numel = ds.train_images[0].numel()
+    if len(shape) == 1 and shape[0] != image_numel:
+        raise ValueError(f"model: its input has {shape[0]} features but {name} images have "
+                         f"{tuple(ds.train_images.shape[1:])} = {image_numel} values")
+    for field in ("train_images", "train_labels", "test_images", "test_labels"):
+        setattr(ds, field, getattr(ds, field).to(device))
+    return ds
+
+
+def model_inputs(ds: Dataset, images: torch.Tensor, model: torch.nn.Module,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    """uint8 images of `ds` -> the float input `model` trains on, on the images' device.
+
+    Args:
+        ds: the dataset the images come from (its normalisation constants are used).
+        images: uint8, shape (N, C, H, W).
+        model: reads its `input_shape`; a 1D input (F,) gets the images flattened to (N, F).
+        generator: CPU generator for CIFAR augmentation (`augment_cifar`); None: no augmentation.
+
+    Returns:
+        float32, shape (N, C, H, W) or (N, C*H*W).
+    """
+    if generator is not None:
+        images = augment_cifar(images, generator)
+    x = normalize(images, ds.mean, ds.std)
+    return x.flatten(1) if len(getattr(model, "input_shape", (3, 32, 32))) == 1 else x
+
+
+def augment_cifar(images: torch.Tensor, generator: torch.Generator,
+                  padding: int = CIFAR_PADDING) -> torch.Tensor:
+    """Random crop from the zero-padded image plus random horizontal flip, on the whole batch.
+
+    The random offsets and flips are drawn on the CPU from `generator` (so runs are reproducible on
+    any device) and applied on the images' device by advanced indexing.
+
+    Args:
+        images: shape (N, C, H, W), any dtype, on any device.
+        generator: CPU generator for the offsets and flips.
+        padding: zero padding on each side before cropping back to (H, W).
+
+    Returns:
+        Shape (N, C, H, W), same dtype and device.
+    """
+    n, _, height, width = images.shape
+    offsets = torch.randint(2 * padding + 1, (2, n), generator=generator).to(images.device)
+    flip = (torch.rand(n, generator=generator) < 0.5).to(images.device)
+    padded = F.pad(images, (padding,) * 4)
+    rows = offsets[0, :, None] + torch.arange(height, device=images.device)
+    rows = rows[:, :, None]  # (N, H, 1)
+    cols = offsets[1, :, None] + torch.arange(width, device=images.device)  # (N, W)
+    cols = torch.where(flip[:, None], cols.flip(1), cols)[:, None, :]  # (N, 1, W)
+    batch = torch.arange(n, device=images.device)[:, None, None]
+    # padded[batch, :, rows, cols] puts the indexed dims first: (N, H, W, C) -> (N, C, H, W)
+    return padded.permute(0, 2, 3, 1)[batch, rows, cols].permute(0, 3, 1, 2).contiguous()
+
+
+def normalize(images: torch.Tensor, mean: tuple[float, ...],
+              std: tuple[float, ...]) -> torch.Tensor:
+    """uint8 images (N, C, H, W) -> float32 `(x / 255 - mean) / std` per channel, same device."""
+    mean_t = torch.tensor(mean, device=images.device).view(1, -1, 1, 1)
+    std_t = torch.tensor(std, device=images.device).view(1, -1, 1, 1)
+    return (images.float() / 255.0 - mean_t) / std_t
+
+
+def _image_shape(shape) -> tuple[int, int, int]:
+    """Check `shape` is (C, H, W) of positive ints."""
+    if not isinstance(shape, (tuple, list)) or len(shape) != 3:
+        raise ValueError(f"shape: expected (C, H, W), got {shape!r}")
+    return tuple(_validate.positive_int("shape", s) for s in shape)
+
+
+def _channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std of uint8 images (N, C, H, W) scaled to [0, 1]."""
+    x = images.double().div(255.0).transpose(0, 1).reshape(images.shape[1], -1)
+    std = x.std(dim=1).clamp_min(1e-3)  # a constant channel must not divide by zero
+    return tuple(x.mean(dim=1).tolist()), tuple(std.tolist())

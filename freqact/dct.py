@@ -1,0 +1,441 @@
+"""Orthonormal DCT-II over the last 1-3 dims, frequency masks, low/high-frequency splits and spectra.
+
+Conventions follow `scipy.fft.dctn(type=2, norm="ortho")`: for a length-N axis the basis matrix is
+``D[k, i] = c_k cos(pi (2i + 1) k / (2N))`` with ``c_0 = sqrt(1/N)`` and ``c_k = sqrt(2/N)``, so
+``D @ D.T == I`` and the inverse is the transpose.
+
+Every transform here is a separable linear map: one small (N x N) matrix applied along each
+transformed axis. The matrices are built once per (size, dtype, device) in float64 and cached; at
+activation sizes (N <= 224) these matmuls beat FFT-based DCTs. float16/bfloat16 inputs are computed
+in float32 (their own precision would lose ~3 digits per axis) and cast back.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Sequence
+
+import torch
+
+from freqact import _validate
+
+__all__ = [
+    "dct",
+    "idct",
+    "lowpass_mask",
+    "highpass_mask",
+    "split",
+    "lowpass",
+    "highpass",
+    "band_energy",
+    "block_dct",
+    "radial_spectrum",
+]
+
+_REDUCTIONS = ("instance", "channel", "all")
+
+# On the CPU the maps are transformed a chunk at a time so that the intermediate results of the
+# per-axis stages live in bounded, reused buffers instead of a second activation-sized temporary:
+# the peak memory is input + output + 1 chunk, and a buffer this small is recycled by the C
+# allocator (below glibc's 32 MiB mmap ceiling) rather than page-faulted in afresh on every call,
+# which costs as much as the matmuls themselves. Chunks stay large because every matmul is one
+# OpenMP parallel region, and many short regions stall badly when the cores are oversubscribed.
+_CPU_CHUNK_BYTES = 16 << 20
+
+
+# ----------------------------------------------------------------------------------------------
+# Cached matrices (float64 construction, then cast: the cast is the only rounding)
+# ----------------------------------------------------------------------------------------------
+
+
+def _dct_matrix64(n: int) -> torch.Tensor:
+    """The (n, n) orthonormal DCT-II matrix in float64 on the CPU."""
+    k = torch.arange(n, dtype=torch.float64).unsqueeze(1)
+    i = torch.arange(n, dtype=torch.float64).unsqueeze(0)
+    d = torch.cos(math.pi * (2.0 * i + 1.0) * k / (2.0 * n)) * math.sqrt(2.0 / n)
+    d[0] /= math.sqrt(2.0)
+    return d
+
+
+def _constant(matrix64: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Cast a float64 CPU matrix into a cached constant: never an inference tensor, never grad."""
+    with torch.inference_mode(False), torch.no_grad():
+        return matrix64.to(device=device, dtype=dtype).contiguous()
+
+
+@functools.lru_cache(maxsize=256)
+def _basis(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Cached (n, n) DCT-II matrix D (rows are frequencies). Callers must not modify it."""
+    return _constant(_dct_matrix64(n), dtype, device)
+
+
+@functools.lru_cache(maxsize=256)
+def _lowpass_projection(n: int, window: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Cached (n, n) symmetric projection D[:w].T @ D[:w]: keeps the first `window` frequencies."""
+    d = _dct_matrix64(n)[:window]
+    return _constant(d.T @ d, dtype, device)
+
+
+@functools.lru_cache(maxsize=256)
+def _block_basis(n: int, block: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Cached (n, n) block-diagonal DCT matrix: full blocks of `block`, then one smaller edge block."""
+    sizes = [block] * (n // block) + ([n % block] if n % block else [])
+    return _constant(torch.block_diag(*[_dct_matrix64(s) for s in sizes]), dtype, device)
+
+
+# ----------------------------------------------------------------------------------------------
+# The separable transform
+# ----------------------------------------------------------------------------------------------
+
+
+def _apply_stage(src: torch.Tensor, matrix: torch.Tensor, axis: int, sizes, dst: torch.Tensor) -> None:
+    """dst = `matrix` applied along map axis `axis` of src; src/dst: flat (maps, prod(sizes))."""
+    n = sizes[axis]
+    if axis == len(sizes) - 1:
+        # Last axis: one GEMM over all rows, (rows, n) @ (n, n)^T.
+        torch.matmul(src.view(-1, n), matrix.mT, out=dst.view(-1, n))
+    else:
+        # Other axes: view as (outer, n, inner) and left-multiply every (n, inner) slab.
+        inner = math.prod(sizes[axis + 1 :])
+        torch.matmul(matrix, src.view(-1, n, inner), out=dst.view(-1, n, inner))
+
+
+def _apply_axes(x: torch.Tensor, mats: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Apply mats[j] along the j-th of the last len(mats) axes of x (no autograd)."""
+    sizes = tuple(x.shape[x.dim() - len(mats) :])
+    map_numel = math.prod(sizes)
+    maps = x.numel() // map_numel
+    flat = x.reshape(maps, map_numel)
+    out = torch.empty_like(flat)
+    if maps == 0:
+        return out.view(x.shape)
+    per_chunk = maps
+    if x.device.type == "cpu" and len(mats) > 1:  # a single stage has no intermediate to bound
+        per_chunk = min(maps, max(1, _CPU_CHUNK_BYTES // (map_numel * x.element_size())))
+    # Last axis first (a plain GEMM). Stages alternate between the output and one buffer, chosen
+    # so that the last stage writes the output: src and dst never alias.
+    stages = [(j, mats[j]) for j in reversed(range(len(mats)))]
+    buffer = flat.new_empty(per_chunk, map_numel) if len(stages) > 1 else None
+    for start in range(0, maps, per_chunk):
+        src = flat[start : start + per_chunk]
+        rows = src.shape[0]
+        for k, (axis, matrix) in enumerate(stages):
+            writes_output = (len(stages) - 1 - k) % 2 == 0
+            dst = out[start : start + rows] if writes_output else buffer[:rows]
+            _apply_stage(src, matrix, axis, sizes, dst)
+            src = dst
+    return out.view(x.shape)
+
+
+class _Separable(torch.autograd.Function):
+    """y = x transformed by one matrix per axis. Linear, so the backward applies the transposes."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, *mats: torch.Tensor) -> torch.Tensor:
+        # The matrices are cached constants that never require grad: keep them as attributes rather
+        # than saved tensors so that saved-tensor hooks (the compression engine) never see them.
+        ctx.mats = mats
+        return _apply_axes(x, mats)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # Through _Separable again, so double backward works too.
+        grad_x = _Separable.apply(grad, *[m.mT for m in ctx.mats])
+        return (grad_x,) + (None,) * len(ctx.mats)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32 for the half types, the input dtype otherwise."""
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
+def _separable(x: torch.Tensor, dims: int, matrix) -> torch.Tensor:
+    """x's last `dims` axes transformed by matrix(axis, n, dtype, device), in x's compute dtype.
+
+    Returns the result in the compute dtype (float32 for half inputs); callers cast back.
+    """
+    xc = x.to(_compute_dtype(x))
+    sizes = xc.shape[xc.dim() - dims :]
+    mats = [matrix(axis, n, xc.dtype, xc.device) for axis, n in enumerate(sizes)]
+    return _Separable.apply(xc, *mats)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_input(name: str, x: object, dims: object) -> int:
+    """Validate a tensor and a `dims`; return dims as int."""
+    _validate.floating_tensor(name, x)
+    dims = _validate.positive_int("dims", dims)
+    _validate.choice("dims", dims, (1, 2, 3))
+    if dims > x.dim():
+        raise ValueError(
+            f"dims: expected at most the rank of {name} ({x.dim()}), got {dims} "
+            f"({name} has shape {tuple(x.shape)})"
+        )
+    if 0 in x.shape[x.dim() - dims :]:
+        raise ValueError(
+            f"{name}: expected the last {dims} dims to have size >= 1, got shape {tuple(x.shape)}"
+        )
+    return dims
+
+
+def _check_nonempty(name: str, x: torch.Tensor) -> None:
+    if x.numel() == 0:
+        raise ValueError(f"{name}: expected a non-empty tensor for a norm, got shape {tuple(x.shape)}")
+
+
+def _windows(sizes: Sequence[int], ratio: object, window: object) -> list[int]:
+    """Kept low frequencies W per dim, from exactly one of `ratio` or `window` (see lowpass_mask)."""
+    if (ratio is None) == (window is None):
+        raise ValueError(
+            f"ratio/window: expected exactly one of them, got ratio={ratio!r}, window={window!r}"
+        )
+    if window is not None:
+        w = _validate.positive_int("window", window)
+        return [min(w, n) for n in sizes]
+    r = _validate.unit_ratio("ratio", ratio)
+    # Round half up (not Python's half-to-even) so that a tie always keeps the larger window.
+    return [min(n, max(1, math.floor(r * n + 0.5))) for n in sizes]
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+
+
+def dct(x: torch.Tensor, dims: int = 2) -> torch.Tensor:
+    """Orthonormal DCT-II over the last `dims` dims (scipy.fft.dctn(type=2, norm="ortho")).
+
+    Args:
+        x: real floating tensor, shape (*, N_1, ..., N_dims); any sizes >= 1, any leading dims.
+            float16/bfloat16 are computed in float32. CPU or CUDA. Differentiable.
+        dims: how many trailing dims to transform: 1, 2 or 3.
+
+    Returns:
+        The coefficients, same shape, dtype and device as x; X[..., 0, 0] is the DC term.
+
+    Raises:
+        TypeError: if x is not a real floating tensor, or dims not an integer.
+        ValueError: if dims is not 1, 2 or 3, exceeds x's rank, or a transformed dim is empty.
+
+    Example:
+        >>> X = dct(torch.ones(1, 3, 4, 4))
+        >>> torch.allclose(X[..., 0, 0], torch.full((1, 3), 4.0))
+        True
+    """
+    dims = _check_input("x", x, dims)
+    return _separable(x, dims, lambda _, n, dtype, device: _basis(n, dtype, device)).to(x.dtype)
+
+
+def idct(X: torch.Tensor, dims: int = 2) -> torch.Tensor:
+    """Inverse of `dct` (orthonormal DCT-III, scipy.fft.idctn(type=2, norm="ortho")).
+
+    Args:
+        X: real floating coefficients, shape (*, N_1, ..., N_dims); see `dct` for dtypes/devices.
+        dims: how many trailing dims to transform: 1, 2 or 3.
+
+    Returns:
+        The signal, same shape, dtype and device as X; idct(dct(x)) == x to float precision.
+
+    Raises:
+        TypeError/ValueError: as `dct`, naming `X`.
+    """
+    dims = _check_input("X", X, dims)
+    # The inverse of an orthonormal D is D^T.
+    return _separable(X, dims, lambda _, n, dtype, device: _basis(n, dtype, device).mT).to(X.dtype)
+
+
+def lowpass_mask(
+    shape: Sequence[int],
+    ratio: float | None = None,
+    *,
+    window: int | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """The paper's mask M: True on the top-left W x ... x W corner of the DCT coefficients.
+
+    Rounding rule: ``W_d = max(1, floor(ratio * N_d + 0.5))`` per dim (round half up), so the mask
+    is never empty and ratio=1 keeps everything. With ``window=W`` the same W is used in every dim,
+    clipped to the dim's size (W >= N_d keeps the whole dim).
+
+    Args:
+        shape: the frequency shape (N_1, ..., N_d), d in {1, 2, 3}, sizes >= 1.
+        ratio: kept fraction W/N per dim, in (0, 1]. Give exactly one of ratio and window.
+        window: integer W >= 1.
+        device: where to build the mask (default CPU).
+
+    Returns:
+        Bool tensor of shape `shape`, True where the index is < W_d in every dim.
+
+    Raises:
+        TypeError/ValueError: naming `shape`, `ratio` or `window`.
+    """
+    if isinstance(shape, (tuple, list)) and 1 <= len(shape) <= 3:
+        sizes = [_validate.positive_int("shape", n) for n in shape]
+    else:
+        raise ValueError(f"shape: expected a sequence of 1 to 3 sizes, got {shape!r}")
+    mask = torch.zeros(sizes, dtype=torch.bool, device=device)
+    mask[tuple(slice(0, w) for w in _windows(sizes, ratio, window))] = True
+    return mask
+
+
+def highpass_mask(
+    shape: Sequence[int],
+    ratio: float | None = None,
+    *,
+    window: int | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """1 - M: the complement of `lowpass_mask` (same arguments and rounding rule)."""
+    return ~lowpass_mask(shape, ratio, window=window, device=device)
+
+
+def _lowpass_compute(x: torch.Tensor, ratio, dims, window) -> torch.Tensor:
+    """Low-pass part in x's compute dtype: one separable projection per axis (= iDCT(DCT(x) * M))."""
+    windows = _windows(x.shape[x.dim() - dims :], ratio, window)
+    return _separable(
+        x, dims, lambda axis, n, dtype, device: _lowpass_projection(n, windows[axis], dtype, device)
+    )
+
+
+def split(
+    x: torch.Tensor, ratio: float | None = None, dims: int = 2, *, window: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split x into low- and high-frequency components with the DCT mask M.
+
+    lfc = iDCT(DCT(x) * M) and hfc = iDCT(DCT(x) * (1 - M)); computed as a projection per axis and
+    hfc = x - lfc, so lfc + hfc == x up to one rounding.
+
+    Args:
+        x: real floating tensor, shape (*, N_1, ..., N_dims), e.g. activations (N, C, H, W).
+        ratio: kept fraction W/N per dim, in (0, 1] (rounding rule in `lowpass_mask`).
+        dims: how many trailing dims carry frequencies: 1, 2 or 3.
+        window: integer W instead of ratio.
+
+    Returns:
+        (lfc, hfc), each shaped, typed and placed like x.
+
+    Raises:
+        TypeError/ValueError: naming `x`, `ratio`, `window` or `dims`.
+    """
+    dims = _check_input("x", x, dims)
+    low = _lowpass_compute(x, ratio, dims, window)
+    return low.to(x.dtype), (x.to(low.dtype) - low).to(x.dtype)
+
+
+def lowpass(x: torch.Tensor, ratio: float | None = None, dims: int = 2, *, window: int | None = None):
+    """The low-frequency component iDCT(DCT(x) * M); arguments as `split`. Shape of x."""
+    dims = _check_input("x", x, dims)
+    return _lowpass_compute(x, ratio, dims, window).to(x.dtype)
+
+
+def highpass(x: torch.Tensor, ratio: float | None = None, dims: int = 2, *, window: int | None = None):
+    """The high-frequency component iDCT(DCT(x) * (1 - M)); arguments as `split`. Shape of x."""
+    return split(x, ratio, dims, window=window)[1]
+
+
+def band_energy(
+    x: torch.Tensor,
+    ratio: float | None = None,
+    dims: int = 2,
+    reduce: str = "instance",
+    *,
+    window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """λ^L = ‖DCT(x) * M‖_F and λ^H = ‖DCT(x) * (1 - M)‖_F (the paper's band norms).
+
+    By Parseval, λ_L² + λ_H² == ‖x‖² over the same elements.
+
+    Args:
+        x: real floating tensor, non-empty, shape (N, C, ..., N_1, ..., N_dims).
+        ratio: kept fraction W/N per dim, in (0, 1] (rounding rule in `lowpass_mask`).
+        dims: how many trailing dims carry frequencies: 1, 2 or 3.
+        reduce: "instance": norms per sample, shape (N,) (needs rank >= dims + 1);
+            "channel": per (sample, channel), shape (N, C) (needs rank >= dims + 2);
+            "all": one norm over the whole tensor, shape ().
+        window: integer W instead of ratio.
+
+    Returns:
+        (lam_L, lam_H), float32 for half inputs, else x's dtype; differentiable.
+
+    Raises:
+        TypeError/ValueError: naming `x`, `ratio`, `window`, `dims` or `reduce`.
+    """
+    dims = _check_input("x", x, dims)
+    _validate.choice("reduce", reduce, _REDUCTIONS)
+    _check_nonempty("x", x)
+    kept = {"instance": 1, "channel": 2, "all": 0}[reduce]
+    if x.dim() < dims + kept:
+        raise ValueError(
+            f"x: reduce={reduce!r} with dims={dims} needs rank >= {dims + kept}, "
+            f"got shape {tuple(x.shape)}"
+        )
+    energy = dct(x.to(_compute_dtype(x)), dims).square()
+    mask = lowpass_mask(x.shape[x.dim() - dims :], ratio, window=window, device=x.device)
+    summed = tuple(range(kept, x.dim()))
+    lam_low = energy.masked_fill(~mask, 0).sum(summed).sqrt()
+    lam_high = energy.masked_fill(mask, 0).sum(summed).sqrt()
+    return lam_low, lam_high
+
+
+def block_dct(x: torch.Tensor, block: int, dims: int = 2) -> torch.Tensor:
+    """JPEG-style DCT of non-overlapping blocks of the last `dims` dims, laid out in place.
+
+    The coefficient (u, v) of the block starting at (i*B, j*B) lands at (i*B + u, j*B + v).
+    Edge blocks: when N is not a multiple of B, the last block of that dim has size N mod B and is
+    transformed with its own orthonormal DCT of that size (a dim smaller than B is one block).
+    Chosen over zero padding because it keeps the output shape, keeps the whole map transform
+    orthonormal (Parseval holds, no padding energy leaks into high frequencies), and matches the
+    DIVISION codec's partial edge blocks: every block's DC term is sqrt(its element count) x its
+    exact mean.
+
+    Args:
+        x: real floating tensor, shape (*, N_1, ..., N_dims); differentiable.
+        block: block size B >= 1 (B = 1 is the identity).
+        dims: how many trailing dims are blocked: 1, 2 or 3.
+
+    Returns:
+        Coefficients, same shape, dtype and device as x.
+
+    Raises:
+        TypeError/ValueError: naming `x`, `block` or `dims`.
+    """
+    dims = _check_input("x", x, dims)
+    block = _validate.positive_int("block", block)
+    return _separable(
+        x, dims, lambda _, n, dtype, device: _block_basis(n, block, dtype, device)
+    ).to(x.dtype)
+
+
+def radial_spectrum(x: torch.Tensor) -> torch.Tensor:
+    """Mean DCT energy per integer frequency radius over the last 2 dims.
+
+    Coefficient (i, j) of the 2D DCT of each map has radius r = sqrt(i² + j²) and goes to bin
+    floor(r); bin k is the mean of X[..., i, j]² over every leading index and every (i, j) with
+    k <= r < k + 1. Every bin up to floor(sqrt((H-1)² + (W-1)²)) holds at least one coefficient.
+
+    Args:
+        x: real floating tensor, non-empty, shape (*, H, W) (e.g. (N, C, H, W)).
+
+    Returns:
+        (bins,) with bins = floor(sqrt((H-1)² + (W-1)²)) + 1; float32 for half inputs, else x's dtype.
+
+    Raises:
+        TypeError/ValueError: naming `x`.
+    """
+    _check_input("x", x, 2)
+    _check_nonempty("x", x)
+    h, w = x.shape[-2:]
+    energy = dct(x.to(_compute_dtype(x)), 2).square().reshape(-1, h, w).mean(0)
+    i = torch.arange(h).unsqueeze(1)
+    j = torch.arange(w).unsqueeze(0)
+    # sqrt of an integer in float64 is correctly rounded, so floor() gives the exact integer bin.
+    bins = (i * i + j * j).double().sqrt().floor().long().flatten()
+    counts = torch.bincount(bins)
+    assert bool((counts > 0).all()), "every radius bin holds a coefficient"
+    total = energy.new_zeros(counts.numel())
+    summed = total.index_add(0, bins.to(x.device), energy.flatten())
+    return summed / counts.to(device=x.device, dtype=energy.dtype)

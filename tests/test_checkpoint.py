@@ -1,0 +1,93 @@
+"""Checkpoints: atomic save, safe and strict loading, model rebuild."""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from freqact import checkpoint, models
+
+
+def _ckpt(model: torch.nn.Module, name: str = "mlp") -> dict:
+    return {"format": checkpoint.FORMAT, "epoch": 3, "config": {"model": name, "num_classes": 10},
+            "model": model.state_dict(), "rng": {"torch": [torch.get_rng_state()]}, "metrics": []}
+
+
+def test_round_trip_and_no_temp_files(tmp_path):
+    obj = _ckpt(torch.nn.Linear(3, 2))
+    path = tmp_path / "sub" / "last.pt"
+    checkpoint.save(path, obj)
+    checkpoint.save(path, {**obj, "epoch": 4})  # replaces the file in place
+    loaded = checkpoint.load(path)
+    assert loaded["epoch"] == 4 and loaded["config"] == obj["config"]
+    assert torch.equal(loaded["model"]["weight"], obj["model"]["weight"])
+    assert torch.equal(loaded["rng"]["torch"][0], obj["rng"]["torch"][0])
+    assert sorted(p.name for p in path.parent.iterdir()) == ["last.pt"]
+
+
+def test_failed_save_keeps_the_old_file(tmp_path):
+    path = tmp_path / "last.pt"
+    checkpoint.save(path, _ckpt(torch.nn.Linear(3, 2)))
+    before = path.read_bytes()
+    with pytest.raises(Exception):
+        checkpoint.save(path, {"format": checkpoint.FORMAT, "bad": lambda: None})  # unpicklable
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]
+
+
+def test_truncated_corrupt_and_foreign_files_name_the_file(tmp_path):
+    good = tmp_path / "good.pt"
+    checkpoint.save(good, _ckpt(torch.nn.Linear(3, 2)))
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[:200])
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"\x00not a checkpoint" * 10)
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"state_dict": {}}, foreign)
+    for path in (truncated, garbage, foreign):
+        with pytest.raises(ValueError, match=path.name):
+            checkpoint.load(path)
+    with pytest.raises(FileNotFoundError, match="missing.pt"):
+        checkpoint.load(tmp_path / "missing.pt")
+
+
+class _Payload:
+    """Unpickling this creates `path`: a stand-in for arbitrary code in a checkpoint."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_code_in_a_checkpoint_is_refused_and_not_run(tmp_path):
+    proof = tmp_path / "proof"
+    pickle.loads(pickle.dumps(_Payload(proof)))
+    assert proof.exists()  # the payload works when unpickled without restrictions
+
+    target = tmp_path / "pwned"
+    path = tmp_path / "evil.pt"
+    torch.save({"format": checkpoint.FORMAT, "x": _Payload(target)}, path)
+    with pytest.raises(ValueError, match="evil.pt"):
+        checkpoint.load(path)
+    assert not target.exists()
+
+
+def test_load_model_rebuilds_the_weights(tmp_path):
+    torch.manual_seed(0)
+    trained = models.get("mlp", num_classes=10)
+    path = tmp_path / "c.pt"
+    checkpoint.save(path, _ckpt(trained))
+    model, ckpt = checkpoint.load_model(path)
+    assert ckpt["epoch"] == 3 and not model.training
+    x = torch.randn(2, *trained.input_shape)
+    torch.testing.assert_close(model(x), trained.eval()(x), rtol=0, atol=0)
+
+
+def test_load_model_mismatch_is_a_clear_error(tmp_path):
+    path = tmp_path / "c.pt"
+    checkpoint.save(path, _ckpt(torch.nn.Linear(3, 2), name="mlp"))
+    with pytest.raises(ValueError, match="do not fit model 'mlp'"):
+        checkpoint.load_model(path)

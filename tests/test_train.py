@@ -1,0 +1,204 @@
+"""Training: config checks, one tiny run per mode, resume equality, evaluation, the CLI."""
+from __future__ import annotations
+
+import csv
+import inspect
+import json
+import pickle
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from freqact import checkpoint, cli, codecs, train
+
+
+class Tiny(nn.Module):
+    """Conv -> BN -> ReLU -> pool -> Linear on 3x8x8 inputs: every kind of cached tensor, fast."""
+
+    input_shape = (3, 8, 8)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU()
+        self.pool = nn.AdaptiveAvgPool2d(2)
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.pool(self.relu(self.bn(self.conv(x)))).flatten(1))
+
+
+def _config(tmp_path, **overrides) -> train.RunConfig:
+    settings = dict(model="tiny", dataset="synthetic", epochs=1, batch_size=32, subset=64,
+                    out=str(tmp_path / "run"), device="cpu", save_epochs=[])
+    return train.RunConfig(**{**settings, **overrides})
+
+
+def _tiny(seed: int = 0) -> Tiny:
+    torch.manual_seed(seed)
+    return Tiny()
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(mode="fast"), "mode"),
+    (dict(block=0), "block"),
+    (dict(bits=3), "bits"),
+    (dict(ratio=0.0), "ratio"),
+    (dict(ratio=1.5), "ratio"),
+    (dict(dataset="imagenet"), "dataset"),
+    (dict(epochs=0), "epochs"),
+])
+def test_bad_config_names_the_argument(tmp_path, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        _config(tmp_path, **overrides)
+
+
+@pytest.mark.parametrize("mode", [m for m in train.MODES if m != "normal"])
+def test_each_mode_passes_every_setting_its_codec_takes(mode):
+    params = train.RunConfig(mode=mode).codec_params()
+    codec = codecs.get(mode, **params)
+    accepted = set(inspect.signature(type(codec)).parameters)
+    assert codec.name == mode and set(params) == accepted & {"ratio", "block", "bits"}
+
+
+@pytest.mark.parametrize("mode", train.MODES)
+def test_one_tiny_run_per_mode(tmp_path, mode):
+    results = train.train(_config(tmp_path, mode=mode), model=_tiny())
+    run = tmp_path / "run"
+    rows = list(csv.DictReader((run / "metrics.csv").open()))
+    assert [r["epoch"] for r in rows] == ["1"] and tuple(rows[0]) == train.METRIC_COLUMNS
+    assert json.loads((run / "metrics.jsonl").read_text())["epoch"] == 1
+    assert json.loads((run / "config.json").read_text())["mode"] == mode
+    final = results["final"]
+    assert torch.isfinite(torch.tensor([final["train_loss"], final["test_loss"]])).all()
+    if mode == "normal":
+        assert final["saved_bytes"] is None
+    elif mode == "exact":  # exact codec, but the engine still stores ReLU outputs as 1-bit masks
+        assert 0 < final["saved_bytes"] <= final["exact_bytes"]
+    else:
+        assert final["saved_bytes"] < final["exact_bytes"] and final["compression_ratio"] > 1.0
+    assert checkpoint.load(run / "ckpt" / "last.pt")["epoch"] == 1
+
+
+def test_exact_mode_trains_bit_identically_to_normal(tmp_path):
+    runs = {}
+    for mode in ("normal", "exact"):
+        train.train(_config(tmp_path, mode=mode, epochs=2, out=str(tmp_path / mode)), model=_tiny())
+        runs[mode] = checkpoint.load(tmp_path / mode / "ckpt" / "last.pt")["model"]
+    for name, value in runs["normal"].items():
+        assert torch.equal(value, runs["exact"][name]), name
+
+
+@pytest.mark.slow
+def test_training_learns_the_synthetic_task(tmp_path):
+    results = train.train(_config(tmp_path, epochs=3, subset=256), model=_tiny())
+    accuracies = [row["test_acc"] for row in results["metrics"]]
+    assert accuracies[-1] > 0.8  # chance is 0.1
+
+
+def _timeless(metrics: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in ("epoch_time_s", "images_per_s")}
+            for row in metrics]
+
+
+def _small_cifar10(root) -> str:
+    """A 40-image CIFAR-10 folder in the official layout (so runs use the CIFAR augmentation)."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        images = torch.randint(0, 256, (8, 3 * 32 * 32), generator=gen, dtype=torch.uint8)
+        labels = torch.randint(0, 10, (8,), generator=gen).tolist()
+        batch = {b"data": images.numpy(), b"labels": labels}
+        (folder / name).write_bytes(pickle.dumps(batch, protocol=4))
+    return str(root)
+
+
+def test_resume_equals_an_uninterrupted_run(tmp_path):
+    """Resuming from epoch 1's checkpoint gives the same later epochs as running through.
+
+    CIFAR augmentation draws crops and flips from the augmentation generator, and division mode
+    draws stochastic-rounding noise from the torch RNG, so both states must travel with the
+    checkpoint for the metrics and weights to match exactly.
+    """
+    settings = dict(dataset="cifar10", data_dir=_small_cifar10(tmp_path), batch_size=16,
+                    subset=None, mode="division", epochs=2, save_epochs=[1])
+    whole = train.train(_config(tmp_path, **settings, out=str(tmp_path / "full")), model=_tiny())
+    interrupted = tmp_path / "resumed" / "ckpt"
+    interrupted.mkdir(parents=True)
+    shutil.copy(tmp_path / "full" / "ckpt" / "epoch-0001.pt", interrupted / "last.pt")
+    torch.manual_seed(123)  # the resumed process starts from an unrelated RNG state
+    resumed = train.train(_config(tmp_path, **settings, resume=True, out=str(tmp_path / "resumed")),
+                          model=_tiny(seed=7))
+    assert _timeless(resumed["metrics"]) == _timeless(whole["metrics"])
+    a = checkpoint.load(tmp_path / "full" / "ckpt" / "last.pt")
+    b = checkpoint.load(tmp_path / "resumed" / "ckpt" / "last.pt")
+    for name, value in a["model"].items():
+        assert torch.equal(value, b["model"][name]), name
+
+
+def test_existing_run_needs_resume_and_matching_settings(tmp_path):
+    train.train(_config(tmp_path), model=_tiny())
+    with pytest.raises(ValueError, match="--resume"):
+        train.train(_config(tmp_path), model=_tiny())
+    with pytest.raises(ValueError, match="lr"):
+        train.train(_config(tmp_path, lr=0.5, resume=True), model=_tiny())
+
+
+def test_evaluate_matches_a_float64_oracle():
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    x, y = torch.randn(37, 5), torch.randint(0, 3, (37,))
+    result = train.evaluate(model, [(x[i:i + 8], y[i:i + 8]) for i in range(0, 37, 8)], "cpu")
+    logits = x.double() @ model.weight.double().T + model.bias.double()
+    assert result["count"] == 37
+    assert result["loss"] == pytest.approx(nn.functional.cross_entropy(logits, y).item(), rel=1e-6)
+    assert result["accuracy"] == pytest.approx((logits.argmax(1) == y).double().mean().item())
+
+
+def test_amp_bfloat16_on_cpu_runs(tmp_path):
+    results = train.train(_config(tmp_path, amp=True, mode="division"), model=_tiny())
+    assert torch.isfinite(torch.tensor(results["final"]["train_loss"]))
+
+
+@pytest.mark.slow
+def test_cli_train_then_eval(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["train", "--model", "mlp", "--dataset", "synthetic", "--mode", "division",
+            "--epochs", "2", "--subset", "64", "--batch-size", "32", "--out", str(out),
+            "--device", "cpu", "--save-every", "1"]
+    assert cli.main(argv) == 0
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["epoch-0001.pt", "epoch-0002.pt",
+                                                                 "last.pt"]
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    capsys.readouterr()
+    assert cli.main(["eval", str(out / "ckpt" / "last.pt"), "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert f"accuracy {last['test_acc']:.4f}" in printed
+    assert f"loss {last['test_loss']:.4f}" in printed
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--model", "resnet1000"], "model: expected one of"),
+    (["--dataset", "cifar10", "--data-dir", "{tmp}"], "--download"),
+    (["--bits", "3"], "bits"),
+    (["--block", "0"], "block"),
+    (["--ratio", "2"], "ratio"),
+])
+def test_cli_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, match):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    code = cli.main(["train", "--model", "mlp", "--dataset", "synthetic", "--out",
+                     str(tmp_path / "run"), "--device", "cpu", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and match in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_real_cifar_smoke(tmp_path, cifar_dir):
+    results = train.train(_config(tmp_path, dataset="cifar10", data_dir=str(cifar_dir.parent),
+                                  subset=128, mode="division"), model=_tiny())
+    assert results["final"]["epoch"] == 1
+    assert torch.isfinite(torch.tensor(results["final"]["test_loss"]))
