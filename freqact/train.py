@@ -60,7 +60,7 @@ _CODEC_PARAMS = {
     "division-no-hfc": ("block",), "division-no-lfc": ("block", "bits"), "quant": ("bits",),
 }
 # Fields that may change when a run is resumed; all others must match the checkpoint.
-_RESUMABLE_CHANGES = ("device", "workers", "out", "resume", "save_epochs", "save_every", "download",
+RESUMABLE_CHANGES = ("device", "workers", "out", "resume", "save_epochs", "save_every", "download",
                       "data_dir")
 METRIC_COLUMNS = (
     "epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time_s",
@@ -388,7 +388,7 @@ def _set_rng(rng: dict, ctx: distributed.Context, aug_gen: torch.Generator) -> N
 def _check_resumable(saved: dict, current: dict, path: Path) -> None:
     """Refuse to resume when a setting that shapes the run differs from the checkpoint's."""
     diffs = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in current.items()
-             if k not in _RESUMABLE_CHANGES and saved.get(k) != v]
+             if k not in RESUMABLE_CHANGES and saved.get(k) != v]
     if diffs:
         raise ValueError(f"resume: {path} was trained with other settings ({'; '.join(diffs)})")
 
