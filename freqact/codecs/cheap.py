@@ -212,7 +212,8 @@ class MaxPoolIndices(Codec):
 
     def encode(self, x: torch.Tensor) -> IndicesPacked:
         if not isinstance(x, torch.Tensor) or x.dtype != torch.int64:
-            raise TypeError(f"x: expected an int64 tensor of indices, got {getattr(x, 'dtype', x)!r}")
+            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"x: expected an int64 tensor of indices, got {got}")
         dims = len(self.input_size)
         flat = x
         offset = torch.zeros_like(x)

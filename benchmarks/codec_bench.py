@@ -1,0 +1,204 @@
+"""DIVISION in training: codec speed, activation memory really held, and training-step time.
+
+In one run:
+
+1. division (B=8, Q=2) encode and decode of a (128, 64, 32, 32) float32 tensor, as ratios to
+   `x.clone()` (goals: encode <= 5x, decode <= 3x);
+2. activation memory held after the forward pass, normal vs `freqact.compress(model, "division")`
+   vs `torch.utils.checkpoint` (one checkpoint per stage, the built-in peer), for CIFAR ResNet-18
+   (batch 64, 32x32) and ResNet-50 (batch 4, 224x224). On the CPU: the growth of the resident set
+   across the forward pass, each case in a fresh process run with MALLOC_MMAP_THRESHOLD_=65536 so
+   that freed large buffers leave the resident set; on CUDA: `torch.cuda.memory_allocated`. Beside
+   it the meter's figure for the same forward (saved_bytes with the codec, exact_bytes otherwise);
+   they should agree within 10 % (goals: >= 10.5x less on ResNet-18, >= 11x on ResNet-50);
+3. training-step time (forward, backward, SGD step) on CIFAR ResNet-18, batch 64, relative to
+   normal training (goal: division <= 1.25x).
+
+Prints a table and writes benchmarks/results/codec-<device>.json.
+
+    python -m benchmarks.codec_bench                 # CPU
+    python -m benchmarks.codec_bench --device cuda
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from benchmarks.common import median_time, print_table, write_results
+from freqact import codecs, models
+from freqact.engine import compress
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CODEC_SHAPE = (128, 64, 32, 32)
+MEMORY_CASES = (("resnet18", 64, (3, 32, 32)), ("resnet50", 4, (3, 224, 224)))
+MODES = ("normal", "division", "checkpoint")
+DIVISION = {"block": 8, "bits": 2}
+
+
+def _forward(model, x: torch.Tensor, mode: str) -> torch.Tensor:
+    """The model's logits; with one non-reentrant checkpoint per ResNet stage for "checkpoint"."""
+    if mode != "checkpoint":
+        return model(x)
+    h = model.stem(x)
+    for stage in model.stages:
+        h = checkpoint(stage, h, use_reentrant=False)
+    return model.fc(torch.flatten(model.pool(h), 1))
+
+
+def _loss(model, x, y, mode: str):
+    """Cross-entropy of one forward pass, and the meter when the forward ran inside compress."""
+    if mode == "division":
+        with compress(model, "division", **DIVISION) as meter:
+            return F.cross_entropy(_forward(model, x, mode), y), meter
+    return F.cross_entropy(_forward(model, x, mode), y), None
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _held_bytes(device: str) -> int:
+    if device == "cuda":
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+    return _resident_bytes()
+
+
+def measure_memory(name: str, batch: int, shape: tuple, mode: str, device: str) -> dict:
+    """Bytes held across one forward pass (run in a fresh process for the CPU figure)."""
+    torch.manual_seed(0)
+    model = models.get(name, num_classes=10).to(device)
+    x = torch.randn(batch, *shape, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    # One full step on 2 samples first: one-time allocations (thread pools, kernel caches) are not
+    # activations. A small batch, so that few freed heap chunks (< 64 KiB, never returned to the
+    # system) are left for the measured forward to reuse unseen.
+    loss, _ = _loss(model, x[:2], y[:2], mode)
+    loss.backward()
+    del loss
+    model.zero_grad(set_to_none=False)
+    before = _held_bytes(device)
+    loss, meter = _loss(model, x, y, mode)
+    held = _held_bytes(device) - before
+    loss.backward()
+    del loss
+    if meter is None:
+        # What plain PyTorch holds for the same forward, counted by the meter: the exact codec keeps
+        # every tensor, and exact_bytes counts each storage plain autograd would hold once.
+        with compress(model, "exact") as meter:
+            _forward(model, x, mode).sum()
+        metered = meter.exact_bytes
+    else:
+        metered = meter.saved_bytes
+    return {"model": name, "batch": batch, "mode": mode, "held_bytes": held,
+            "meter_bytes": metered}
+
+
+def _memory_in_fresh_process(name: str, batch: int, mode: str, device: str) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    cmd = [sys.executable, "-m", "benchmarks.codec_bench", "--memory-case", name, str(batch), mode,
+           "--device", device]
+    out = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def codec_speed(device: str, repeats: int) -> dict:
+    """Median encode/decode/clone times of division on CODEC_SHAPE."""
+    codec = codecs.get("division", **DIVISION)
+    x = torch.randn(CODEC_SHAPE, device=device)
+    packed = codec.encode(x)
+    clone = median_time(lambda: x.clone(), repeats=repeats, device=device)
+    encode = median_time(lambda: codec.encode(x), repeats=repeats, device=device)
+    decode = median_time(lambda: codec.decode(packed), repeats=repeats, device=device)
+    return {"shape": list(CODEC_SHAPE), "clone_ms": clone * 1e3, "encode_ms": encode * 1e3,
+            "decode_ms": decode * 1e3, "encode_vs_clone": encode / clone,
+            "decode_vs_clone": decode / clone, "ratio": x.numel() * 4 / packed.nbytes}
+
+
+def step_times(device: str, repeats: int) -> dict:
+    """Median training-step time per mode, CIFAR ResNet-18, batch 64."""
+    torch.manual_seed(0)
+    model = models.get("resnet18", num_classes=10).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(64, 3, 32, 32, device=device)
+    y = torch.randint(0, 10, (64,), device=device)
+
+    def step(mode):
+        optimizer.zero_grad(set_to_none=True)
+        loss, _ = _loss(model, x, y, mode)
+        loss.backward()
+        optimizer.step()
+
+    return {mode: median_time(lambda: step(mode), warmup=1, repeats=repeats, device=device)
+            for mode in MODES}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per median")
+    parser.add_argument("--memory-case", nargs=3, metavar=("MODEL", "BATCH", "MODE"),
+                        help=argparse.SUPPRESS)  # internal: one memory case, JSON on stdout
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device available")
+    if args.repeats < 1:
+        parser.error(f"--repeats: expected an integer >= 1, got {args.repeats}")
+    if args.memory_case:
+        name, batch, mode = args.memory_case
+        shape = dict((n, s) for n, _, s in MEMORY_CASES)[name]
+        print(json.dumps(measure_memory(name, int(batch), shape, mode, args.device)))
+        return 0
+
+    speed = codec_speed(args.device, args.repeats)
+    print_table(["division B=8 Q=2", "clone ms", "encode ms", "decode ms", "encode/clone",
+                 "decode/clone", "ratio"],
+                [["x".join(map(str, CODEC_SHAPE)), speed["clone_ms"], speed["encode_ms"],
+                  speed["decode_ms"], speed["encode_vs_clone"], speed["decode_vs_clone"],
+                  speed["ratio"]]])
+    print()
+
+    memory = []
+    for name, batch, shape in MEMORY_CASES:
+        for mode in MODES:
+            if args.device == "cuda":  # memory_allocated needs no fresh process
+                memory.append(measure_memory(name, batch, shape, mode, args.device))
+            else:
+                memory.append(_memory_in_fresh_process(name, batch, mode, args.device))
+    normal = {r["model"]: r["held_bytes"] for r in memory if r["mode"] == "normal"}
+    for r in memory:
+        r["less_than_normal"] = normal[r["model"]] / r["held_bytes"]
+        r["meter_vs_held"] = r["meter_bytes"] / r["held_bytes"]
+    held_by = "resident-set growth" if args.device == "cpu" else "memory_allocated"
+    print_table(["model", "batch", "mode", f"held MB ({held_by})", "meter MB", "meter/held",
+                 "x less than normal"],
+                [[r["model"], r["batch"], r["mode"], r["held_bytes"] / 2**20,
+                  r["meter_bytes"] / 2**20, r["meter_vs_held"], r["less_than_normal"]]
+                 for r in memory])
+    print()
+
+    steps = step_times(args.device, args.repeats)
+    print_table(["ResNet-18 b64 step", "median s", "vs normal"],
+                [[mode, seconds, seconds / steps["normal"]] for mode, seconds in steps.items()])
+
+    payload = {"settings": {"division": DIVISION, "repeats": args.repeats,
+                            "malloc_mmap_threshold": 65536 if args.device == "cpu" else None},
+               "codec": speed, "memory": memory,
+               "step_seconds": steps,
+               "step_vs_normal": {m: s / steps["normal"] for m, s in steps.items()}}
+    path = write_results(f"codec-{args.device}", payload, device=args.device)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
