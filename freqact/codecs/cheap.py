@@ -22,9 +22,7 @@ import torch
 
 from freqact import _validate
 from freqact.codecs.base import Codec, register, tensor_nbytes
-
-_SHIFTS = torch.arange(8, dtype=torch.uint8)
-
+from freqact.kernels.reference import pack_codes, unpack_codes
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """Pack a bool tensor into bytes, 8 elements per byte, element i at bit i % 8 of byte i // 8.
@@ -35,23 +33,12 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     Returns:
         uint8 tensor of shape (ceil(bits.numel() / 8),).
     """
-    flat = bits.reshape(-1).view(torch.uint8)
-    pad = -flat.numel() % 8
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    octets = flat.view(-1, 8)
-    # Eight strided passes over n/8 bytes each: cheaper than a weighted sum over the (n, 8) view.
-    out = octets[:, 0].clone()
-    for i in range(1, 8):
-        out |= octets[:, i] << i
-    return out
+    return pack_codes(bits.reshape(-1).view(torch.uint8), 1)
 
 
 def unpack_bits(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """Inverse of `pack_bits`: a bool tensor of `shape` from its packed bytes."""
-    n = math.prod(shape)
-    bits = (packed.unsqueeze(-1) >> _SHIFTS.to(packed.device)) & 1
-    return bits.view(-1)[:n].view(torch.bool).view(shape)
+    return unpack_codes(packed, math.prod(shape), 1).view(torch.bool).view(shape)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,9 @@ __all__ = [
     "division_decode",
     "division_encode",
     "lfc_encode",
+    "pack_codes",
     "quantize_encode",
+    "unpack_codes",
 ]
 
 BITS = (1, 2, 4, 8)
@@ -230,7 +232,7 @@ def _quantize(h: torch.Tensor, bits: int, noise: torch.Tensor | None, *, overwri
         t = torch.addcdiv(noise, shifted, divisor)
     # Values are >= 0 after the clamp, so the cast's truncation is the floor.
     q = t.clamp_(0, qmax).to(torch.uint8)
-    return lo, step, _pack(q, bits)
+    return lo, step, pack_codes(q, bits)
 
 
 # Packing works on machine words, not on bytes: PyTorch's uint8 shifts are slow on the CPU. The
@@ -239,8 +241,16 @@ def _quantize(h: torch.Tensor, bits: int, noise: torch.Tensor | None, *, overwri
 _WORD = {1: torch.int64, 2: torch.int32, 4: torch.int16}
 
 
-def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes (N, C, P) -> (N, C, ceil(P * bits / 8)), little-endian within each byte."""
+def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack Q-bit codes along the last dim, 8 // Q per byte, little-endian within each byte.
+
+    Args:
+        q: uint8 codes < 2**bits, shape (..., P).
+        bits: Q in {1, 2, 4, 8}.
+
+    Returns:
+        uint8 (..., ceil(P * Q / 8)); code i sits at bit (i % (8 // Q)) * Q of byte i // (8 // Q).
+    """
     per_byte = 8 // bits
     if per_byte == 1:
         return q
@@ -253,8 +263,8 @@ def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     return (packed & 0xFF).to(torch.uint8)
 
 
-def _unpack(codes: torch.Tensor, count: int, bits: int) -> torch.Tensor:
-    """Inverse of `_pack`: (N, C, nbytes) -> uint8 (N, C, count)."""
+def unpack_codes(codes: torch.Tensor, count: int, bits: int) -> torch.Tensor:
+    """Inverse of `pack_codes`: (N, C, nbytes) -> uint8 (N, C, count)."""
     per_byte = 8 // bits
     if per_byte == 1:
         return codes
@@ -388,7 +398,7 @@ def division_decode(packed: DivisionPacked) -> torch.Tensor:
     if packed.codes is None:
         out = base.expand(*shape[:2], *(n for b, nb in geom for n in (nb, b)))
     else:
-        q = _unpack(packed.codes, math.prod(spatial), packed.bits).reshape(shape)
+        q = unpack_codes(packed.codes, math.prod(spatial), packed.bits).reshape(shape)
         out = _blocked(q, geom).to(torch.float32)
         step = packed.step.float().reshape(*shape[:2], *(1 for _ in range(2 * len(spatial))))
         out.mul_(step).add_(base)
