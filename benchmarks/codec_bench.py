@@ -22,6 +22,7 @@ Prints a table and writes benchmarks/results/codec-<device>.json.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import subprocess
@@ -53,7 +54,7 @@ def _forward(model, x: torch.Tensor, mode: str) -> torch.Tensor:
     return model.fc(torch.flatten(model.pool(h), 1))
 
 
-def _loss(model, x, y, mode: str):
+def training_loss(model, x, y, mode: str):
     """Cross-entropy of one forward pass, and the meter when the forward ran inside compress."""
     if mode == "division":
         with compress(model, "division", **DIVISION) as meter:
@@ -62,6 +63,10 @@ def _loss(model, x, y, mode: str):
 
 
 def _resident_bytes() -> int:
+    # Hand freed heap chunks back first (glibc keeps chunks under the mmap threshold): what stays
+    # resident is then what is alive, as on the GPU, where memory_allocated counts live tensors.
+    if sys.platform == "linux":
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -82,12 +87,12 @@ def measure_memory(name: str, batch: int, shape: tuple, mode: str, device: str) 
     # One full step on 2 samples first: one-time allocations (thread pools, kernel caches) are not
     # activations. A small batch, so that few freed heap chunks (< 64 KiB, never returned to the
     # system) are left for the measured forward to reuse unseen.
-    loss, _ = _loss(model, x[:2], y[:2], mode)
+    loss, _ = training_loss(model, x[:2], y[:2], mode)
     loss.backward()
     del loss
     model.zero_grad(set_to_none=False)
     before = _held_bytes(device)
-    loss, meter = _loss(model, x, y, mode)
+    loss, meter = training_loss(model, x, y, mode)
     held = _held_bytes(device) - before
     loss.backward()
     del loss
@@ -134,7 +139,7 @@ def step_times(device: str, repeats: int) -> dict:
 
     def step(mode):
         optimizer.zero_grad(set_to_none=True)
-        loss, _ = _loss(model, x, y, mode)
+        loss, _ = training_loss(model, x, y, mode)
         loss.backward()
         optimizer.step()
 

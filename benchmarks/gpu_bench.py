@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.codec_bench import DIVISION, MODES, _loss
+from benchmarks.codec_bench import DIVISION, MODES, training_loss
 from benchmarks.common import RESULTS_DIR, format_table, median_time, write_results
 from freqact import kernels, models
 from freqact.kernels import reference
@@ -141,7 +141,7 @@ def train_throughput(device: str, name: str, batch: int, classes: int, mode: str
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        loss, _ = _loss(model, x, y, mode)
+        loss, _ = training_loss(model, x, y, mode)
         loss.backward()
         optimizer.step()
 
@@ -153,12 +153,12 @@ def train_throughput(device: str, name: str, batch: int, classes: int, mode: str
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        loss, meter = _loss(model, x, y, mode)
+        loss, meter = training_loss(model, x, y, mode)
         row["activation_bytes"] = torch.cuda.memory_allocated(device) - base
         loss.backward()
         row["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
     else:
-        loss, meter = _loss(model, x, y, mode)
+        loss, meter = training_loss(model, x, y, mode)
         loss.backward()
     row["meter_saved_bytes"] = None if meter is None else meter.saved_bytes
     return row

@@ -33,6 +33,7 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    # The ".NAME.*.tmp" pattern is what `remove_stale_temps` looks for.
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -48,6 +49,20 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def remove_stale_temps(folder: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files `atomic_write` left in `folder` when its process was killed.
+
+    Only call this when no other process writes into `folder` (e.g. when resuming a run).
+
+    Returns:
+        The paths removed.
+    """
+    stale = sorted(Path(folder).glob(".*.tmp"))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
 
 
 def save(path: str | os.PathLike, obj: dict) -> None:
@@ -68,16 +83,26 @@ def load(path: str | os.PathLike) -> dict:
 
     Raises:
         FileNotFoundError: if `path` does not exist.
-        ValueError: naming the file, if it is truncated, corrupt, needs anything but tensors and
-            plain types (weights_only refuses it), or is not a freqact checkpoint.
+        PermissionError: if `path` cannot be read (the message names it).
+        ValueError: naming the file, if it is a directory, truncated, corrupt, needs anything but
+            tensors and plain types (weights_only refuses it), or is not a freqact checkpoint.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"checkpoint: expected a checkpoint file, got the directory {path}")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     try:
+        _verify_archive(path)
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, pickle.UnpicklingError, EOFError, zipfile.BadZipFile, ValueError,
-            KeyError, AttributeError) as err:
+    except PermissionError:
+        raise
+    except pickle.UnpicklingError as err:
+        raise ValueError(f"{path}: not a loadable checkpoint (corrupt, or it needs code to load, "
+                         f"which is never run): {_unpickling_reason(err)}") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, KeyError, AttributeError,
+            OSError) as err:
+        # OSError: torch reads a zip whose tail is damaged with seeks past the end (EINVAL).
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"{path}: not a loadable checkpoint (truncated or corrupt?): "
                          f"{first_line}") from None
@@ -86,6 +111,32 @@ def load(path: str | os.PathLike) -> dict:
         raise ValueError(f"{path}: expected a freqact checkpoint (format {FORMAT!r}), "
                          f"got {found!r}")
     return ckpt
+
+
+def _verify_archive(path: Path) -> None:
+    """Check the CRC-32 of every member of the zip torch.save writes.
+
+    torch.load does not, so damaged tensor bytes would otherwise load silently as wrong weights.
+
+    Raises:
+        zipfile.BadZipFile: if `path` is not a whole zip archive.
+        ValueError: if a member's bytes do not match their checksum.
+    """
+    with zipfile.ZipFile(path) as archive:
+        damaged = archive.testzip()
+    if damaged is not None:
+        raise ValueError(f"checksum mismatch in {damaged}")
+
+
+def _unpickling_reason(err: pickle.UnpicklingError) -> str:
+    """The line of torch's weights_only refusal that says what the file asked for.
+
+    torch's message opens with advice to retry with weights_only=False, which would run the
+    file's code; it is never repeated to the user.
+    """
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    detail = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), None)
+    return detail or "its pickle asks for more than tensors and plain types"
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"

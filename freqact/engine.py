@@ -24,6 +24,11 @@ Kept tensors are checked for in-place modification at unpack (an error, as in pl
 compressing codecs copy, so their gradients reflect the values at save time. A tensor saved by
 several ops is packed once per route. Modules are never replaced: weights, initialisation and state
 are untouched, and all hooks are removed on exit; only the meter survives the `with` block.
+Non-finite values stay visible, never turn into finite garbage: a NaN/Inf in a map the codec
+stores makes that map decode non-finite (all NaN for division, division-no-lfc and quant, see
+docs/ARCHITECTURE.md; its block for division-no-hfc; the DCT spreads it for lfc/hfc), so gradients
+that read it come out NaN as in plain PyTorch; the 1-bit masks treat NaN exactly as PyTorch's own
+backward does (NaN > 0 is false). A zero-size batch saves nothing and is kept as is.
 Functional activations (`F.relu`) are kept exactly, not masked: a pack hook cannot tell the
 activation's own save from a later op saving the same output, and guessing wrong would corrupt
 gradients. The model zoo uses activation modules.
@@ -290,7 +295,8 @@ class _Compress:
     def __enter__(self) -> Meter:
         if getattr(_ACTIVE, "on", False):
             raise RuntimeError(
-                "compress: blocks cannot be nested; one block covers the whole forward")
+                "compress: blocks cannot be nested; one block covers the whole forward (to "
+                "compress several models at once, pass them in one nn.ModuleList)")
         _ACTIVE.on = True
         self._stack: list[tuple] = []
         # key -> (storage weakref, _Packed weakref): never keeps a tensor or packed form alive.
@@ -380,7 +386,8 @@ class _Compress:
 
     def _route(self, t: torch.Tensor, ptr: int, info: _ModuleInfo, inputs: tuple) -> Codec:
         kind = info.kind
-        if kind == _NONE or not inputs:
+        # An empty tensor (a zero-size batch) holds no bytes to save; codecs refuse it.
+        if kind == _NONE or not inputs or t.numel() == 0:
             return _EXACT
         x = inputs[0]
         if kind == _MAXPOOL and t.dtype == torch.int64:

@@ -153,3 +153,141 @@ def pooling_figure(rows: Sequence[dict], stem: str | os.PathLike) -> list[Path]:
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     return _save(fig, stem)
+
+
+def training_figure(rows: Sequence[dict], stem: str | os.PathLike,
+                    memory: Sequence[dict] | None = None) -> list[Path]:
+    """The paper's Fig. 3 (b, c): test accuracy and training loss per epoch of several runs and,
+    given `memory`, the activation memory each run caches for one batch.
+
+    Args:
+        rows: metrics rows ("run", "epoch", "test_acc", "train_loss"), e.g. every run's
+            metrics.csv with a "run" label column; one curve per run.
+        stem: output path without suffix.
+        memory: optional rows ("run", "exact_bytes", "saved_bytes"), one per run: a third panel
+            with bars of the cached bytes and plain PyTorch's bytes as outlines.
+
+    Returns:
+        [stem.png, stem.pdf].
+    """
+    _require(rows, ("run", "epoch", "test_acc", "train_loss"), "metrics")
+    if memory is not None:
+        _require(memory, ("run", "exact_bytes", "saved_bytes"), "memory")
+    curves: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        curves[row["run"]].append(row)
+    fig = Figure(figsize=(13.0 if memory is not None else 9.0, 3.6))
+    axes = fig.subplots(1, 3 if memory is not None else 2)
+    for i, (run, members) in enumerate(curves.items()):
+        members = sorted(members, key=lambda r: r["epoch"])
+        epochs = [r["epoch"] for r in members]
+        axes[0].plot(epochs, [100 * r["test_acc"] for r in members], "o-", color=f"C{i}", label=run)
+        axes[1].plot(epochs, [r["train_loss"] for r in members], "o-", color=f"C{i}", label=run)
+    axes[0].set_ylabel("test accuracy (%)")
+    axes[1].set_ylabel("training loss")
+    for ax in axes[:2]:
+        ax.set_xlabel("epoch")
+        ax.legend(fontsize=7)
+    if memory is not None:
+        ax = axes[2]
+        pos = np.arange(len(memory))
+        mib = 2.0 ** 20
+        ax.bar(pos, [r["exact_bytes"] / mib for r in memory], fill=False, edgecolor="black",
+               label="plain PyTorch")
+        bars = ax.bar(pos, [r["saved_bytes"] / mib for r in memory], width=0.6,
+                      color=[f"C{i}" for i in range(len(memory))], label="cached")
+        for bar, r in zip(bars, memory):
+            ratio = r["exact_bytes"] / r["saved_bytes"] if r["saved_bytes"] else float("inf")
+            ax.annotate(f"{ratio:.1f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(pos)
+        ax.set_xticklabels([r["run"] for r in memory], rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("activation memory per batch (MiB)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _save(fig, stem)
+
+
+def compression_figure(rows: Sequence[dict], stem: str | os.PathLike) -> list[Path]:
+    """Per layer and run: bytes cached for backward, and their running total along the forward pass.
+
+    A storage saved by several layers belongs to the first that saved it (the meter's rule), so a
+    conv reading a ReLU's output shows no plain bytes of its own; the running totals are free of
+    that attribution and end at each run's whole cache.
+
+    Args:
+        rows: `engine.Meter.per_layer()` rows ("layer", "saved_bytes", "exact_bytes") with a "run"
+            column; one series per run. Layers are placed in first-seen order; the model itself
+            (layer "") shows as "(model)". Plain PyTorch's bytes are the first run's exact_bytes.
+        stem: output path without suffix.
+
+    Returns:
+        [stem.png, stem.pdf].
+    """
+    _require(rows, ("run", "layer", "saved_bytes", "exact_bytes"), "per-layer memory")
+    layers = list(dict.fromkeys(r["layer"] for r in rows))
+    runs: dict[str, dict[str, dict]] = defaultdict(dict)
+    for row in rows:
+        runs[row["run"]][row["layer"]] = row
+    first = next(iter(runs.values()))
+    series = [(run, table, "saved_bytes", f"C{i}", "o") for i, (run, table) in enumerate(runs.items())]
+    series.append(("plain PyTorch", first, "exact_bytes", "black", "_"))
+    fig = Figure(figsize=(max(6.0, 0.18 * len(layers) + 3), 7.0))
+    bytes_ax, total_ax = fig.subplots(2, 1, sharex=True)
+    for label, table, column, color, marker in series:
+        pos = np.array([layers.index(layer) for layer in table])
+        values = np.array([r[column] for r in table.values()], dtype=float)
+        bytes_ax.plot(pos, values / 2**10, marker, color=color, markersize=4, label=label)
+        total_ax.plot(pos, np.cumsum(values) / 2**20, "-" if marker == "o" else "--", color=color,
+                      label=label)
+    bytes_ax.set_yscale("log", nonpositive="mask")
+    bytes_ax.set_ylabel("cached by the layer (KiB)")
+    bytes_ax.set_title("activation memory per layer, one training batch")
+    total_ax.set_ylabel("running total (MiB)")
+    _layer_axis(total_ax, [layer or "(model)" for layer in layers])
+    for ax in (bytes_ax, total_ax):
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return _save(fig, stem)
+
+
+def sweep_figure(rows: Sequence[dict], stem: str | os.PathLike, *, title: str = "",
+                 group_fields: Sequence[str] = ()) -> list[Path]:
+    """A study's arms side by side: test accuracy (top) and activation compression (bottom).
+
+    Args:
+        rows: `freqact.sweep.results_table` rows ("label", "seeds", "final_acc_mean",
+            "final_acc_std", "best_acc_mean", "compression_ratio", and each of `group_fields`).
+            Arms without a finished seed are left out.
+        stem: output path without suffix.
+        title: figure title (the study's name).
+        group_fields: grid fields other than the seed; their values join the arm's label.
+
+    Returns:
+        [stem.png, stem.pdf].
+    """
+    _require(rows, ("label", "seeds", "final_acc_mean", "final_acc_std", "best_acc_mean",
+                    "compression_ratio", *group_fields), "sweep results")
+    done = [r for r in rows if r["seeds"]]
+    if not done:
+        raise ValueError("rows: expected at least one arm with a finished seed, got none")
+    labels = [" ".join([r["label"], *(f"{f}={r[f]}" for f in group_fields)]) for r in done]
+    pos = np.arange(len(done))
+    fig = Figure(figsize=(max(6.0, 0.7 * len(done) + 2), 6.5))
+    acc_ax, ratio_ax = fig.subplots(2, 1, sharex=True)
+    final = np.array([100 * r["final_acc_mean"] for r in done])
+    spread = np.array([100 * (r["final_acc_std"] or 0.0) for r in done])
+    acc_ax.bar(pos, final, yerr=spread, capsize=3, color="tab:blue", label="final (mean ± std)")
+    acc_ax.plot(pos, [100 * r["best_acc_mean"] for r in done], "D", color="tab:orange",
+                markersize=5, label="best epoch (mean)")
+    acc_ax.set_ylabel("test accuracy (%)")
+    acc_ax.legend(fontsize=7)
+    acc_ax.set_title(title)
+    ratios = [r["compression_ratio"] or 1.0 for r in done]  # normal training stores activations as they are
+    ratio_ax.bar(pos, ratios, color="tab:green")
+    ratio_ax.set_yscale("log")
+    ratio_ax.set_ylabel("activation compression (x)")
+    ratio_ax.set_xticks(pos)
+    ratio_ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
+    fig.tight_layout()
+    return _save(fig, stem)

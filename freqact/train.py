@@ -125,7 +125,8 @@ class RunConfig:
         _validate.choice("mode", self.mode, MODES)
         _validate.unit_ratio("ratio", self.ratio)
         _validate.positive_int("block", self.block)
-        _validate.choice("bits", self.bits, BITS)
+        # positive_int first: True and 2.0 compare equal to members of BITS.
+        _validate.choice("bits", _validate.positive_int("bits", self.bits), BITS)
         for name in ("epochs", "batch_size"):
             _validate.positive_int(name, getattr(self, name))
         for name in ("subset", "save_every"):
@@ -238,6 +239,10 @@ def _run(config: RunConfig, ctx: distributed.Context, model: torch.nn.Module | N
     aug_gen = torch.Generator().manual_seed(config.seed * 65536 + ctx.rank)
     metrics: list[dict] = []
     start_epoch = 0
+    if config.resume and ctx.is_main:
+        # A run killed while writing leaves temporary files (its last complete files are intact).
+        for folder in (run_dir, run_dir / "ckpt"):
+            checkpoint.remove_stale_temps(folder)
     if config.resume and last_path.exists():
         ckpt = checkpoint.load(last_path)
         _check_resumable(ckpt["config"], stored_config, last_path)
