@@ -33,6 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+if not __package__:  # run as a file (python benchmarks/X.py): make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from benchmarks.common import median_time, print_table, write_results
 from freqact import codecs, models
 from freqact.engine import compress

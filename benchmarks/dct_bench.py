@@ -13,6 +13,9 @@ torch-dct is optional (`pip install torch-dct`), never a freqact dependency.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import argparse
 import importlib.metadata
 import importlib.util
@@ -22,6 +25,9 @@ import numpy as np
 import scipy
 import scipy.fft
 import torch
+
+if not __package__:  # run as a file (python benchmarks/X.py): make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import median_time, print_table, write_results
 from freqact.dct import dct

@@ -29,6 +29,9 @@ from pathlib import Path
 
 import torch
 
+if not __package__:  # run as a file (python benchmarks/X.py): make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from benchmarks.codec_bench import DIVISION, MODES, training_loss
 from benchmarks.common import RESULTS_DIR, format_table, median_time, write_results
 from freqact import kernels, models
