@@ -22,7 +22,6 @@ Prints a table and writes benchmarks/results/codec-<device>.json.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import subprocess
@@ -66,10 +65,6 @@ def training_loss(model, x, y, mode: str):
 
 
 def _resident_bytes() -> int:
-    # Hand freed heap chunks back first (glibc keeps chunks under the mmap threshold): what stays
-    # resident is then what is alive, as on the GPU, where memory_allocated counts live tensors.
-    if sys.platform == "linux":
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 

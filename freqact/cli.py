@@ -1,21 +1,272 @@
 """The `freqact` command line: one parser function and one handler per subcommand.
 
 Handlers only translate arguments into one library call and print where results went.
-Expected errors (bad arguments, missing files) become one line on stderr and exit code 2.
+Expected errors (bad arguments, missing or unreadable files, a full disk) become one line on
+stderr and exit code 2.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
 # Each entry: (name, help, add_arguments(parser), handler(args) -> int).
 Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 
 
+def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    from freqact import data, train
+
+    defaults = train.RunConfig()
+    add = parser.add_argument
+    add("--model", default=defaults.model, help="a freqact.models name (default %(default)s)")
+    add("--dataset", default=defaults.dataset, choices=data.DATASETS)
+    add("--mode", default=defaults.mode, choices=train.MODES,
+        help="normal: plain PyTorch; others: the codec that stores cached activations")
+    add("--ratio", type=float, default=defaults.ratio, help="lfc/hfc: kept fraction W/N in (0, 1]")
+    add("--block", type=int, default=defaults.block, help="division: block size B")
+    add("--bits", type=int, default=defaults.bits, help="division/quant: bits Q in {1, 2, 4, 8}")
+    add("--epochs", type=int, default=defaults.epochs, help="(default %(default)s)")
+    add("--batch-size", type=int, default=defaults.batch_size,
+        help="global batch over all ranks (default %(default)s)")
+    add("--lr", type=float, default=defaults.lr,
+        help="initial SGD learning rate, cosine schedule (default %(default)s)")
+    add("--momentum", type=float, default=defaults.momentum, help="(default %(default)s)")
+    add("--weight-decay", type=float, default=defaults.weight_decay, help="(default %(default)s)")
+    add("--subset", type=int, default=None, help="train on the first N training images only")
+    add("--seed", type=int, default=defaults.seed)
+    add("--amp", action="store_true",
+        help="autocast: bfloat16 on CPU, float16 + GradScaler on CUDA")
+    add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    add("--workers", type=int, default=defaults.workers,
+        help="unused: data are in-memory tensors batched on the device (kept for compatibility)")
+    add("--data-dir", default=None,
+        help="CIFAR folder's parent (default $FREQACT_DATA, else ./data)")
+    add("--download", action="store_true", help="download CIFAR (md5-checked) when missing")
+    add("--out", default=None, help="run directory (default runs/MODEL-DATASET-MODE)")
+    add("--save-epochs", type=int, nargs="*", default=defaults.save_epochs, metavar="E",
+        help="keep ckpt/epoch-XXXX.pt after these epochs (default %(default)s)")
+    add("--save-every", type=int, default=None, metavar="K", help="also keep every K-th epoch")
+    add("--resume", action="store_true", help="continue the run in --out from ckpt/last.pt (or start it)")
+
+
+def _train(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from freqact import train
+
+    fields = {f.name for f in dataclasses.fields(train.RunConfig)}
+    results = train.train(train.RunConfig(**{k: v for k, v in vars(args).items() if k in fields}))
+    final = results["final"]
+    if final and results["rank"] == 0:
+        print(f"{results['run_dir']}: epoch {final['epoch']}, "
+              f"test accuracy {final['test_acc']:.4f}")
+    return 0
+
+
+def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a checkpoint written by `freqact train`")
+    parser.add_argument("--data-dir", default=None,
+                        help="CIFAR folder's parent (default: the run's)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N")
+    parser.add_argument("--batch-size", type=int, default=512)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from freqact import train
+
+    result = train.evaluate_checkpoint(args.checkpoint, data_dir=args.data_dir, device=args.device,
+                                       batch_size=args.batch_size)
+    print(f"{args.checkpoint} (epoch {result['epoch']}): test loss {result['loss']:.4f}  "
+          f"accuracy {result['accuracy']:.4f}  ({result['count']} images)")
+    return 0
+
+
+def _add_analysis_arguments(parser: argparse.ArgumentParser, images: int) -> None:
+    """The options every analysis command shares."""
+    parser.add_argument("--images", type=int, default=images,
+                        help="the first N test images of the run's dataset (default %(default)s)")
+    parser.add_argument("--data-dir", default=None, help="CIFAR folder's parent (default: the run's)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")
+    parser.add_argument("--out", default=None, help="output folder (default RUN/analysis)")
+
+
+def _add_lambdas_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoints", nargs="+", metavar="RUN_DIR_OR_CKPT",
+                        help="checkpoints, or run directories (all their ckpt/epoch-*.pt)")
+    parser.add_argument("--ratio", type=float, default=0.1, help="kept fraction W/N (default %(default)s)")
+    parser.add_argument("--layers", default="blocks", choices=("blocks", "convs", "all"),
+                        help="block outputs (Fig. 4), conv/linear inputs, or both (default %(default)s)")
+    _add_analysis_arguments(parser, images=512)
+
+
+def _lambdas(args: argparse.Namespace) -> int:
+    from freqact import plots
+    from freqact.analysis import common, lambdas
+
+    rows = lambdas.from_checkpoints(args.checkpoints, ratio=args.ratio, layers=args.layers,
+                                    images=args.images, data_dir=args.data_dir, device=args.device)
+    out = Path(args.out) if args.out else common.default_out_dir(Path(rows[0]["checkpoint"]))
+    summary = lambdas.summarize(rows)
+    written = [common.write_csv(rows, out / "lambdas.csv"),
+               common.write_csv(summary, out / "lambdas_summary.csv"),
+               *plots.lambdas_figure(rows, out / "lambdas")]
+    for row in (r for r in summary if r["layer"] == "(all)"):
+        print(f"{row['checkpoint']}: lam_L > lam_H in {row['share_L_gt_H']:.1%} of "
+              f"{row['instances']} (layer, instance) pairs")
+    print("wrote " + ", ".join(map(str, written)))
+    return 0
+
+
+def _add_theorem31_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a checkpoint written by `freqact train`")
+    parser.add_argument("--ratio", type=float, default=0.1, help="kept fraction W/N (default %(default)s)")
+    parser.add_argument("--no-end-to-end", dest="end_to_end", action="store_false",
+                        help="skip the whole-network LFC-ACT / HFC-ACT passes")
+    _add_analysis_arguments(parser, images=128)
+
+
+def _theorem31(args: argparse.Namespace) -> int:
+    from freqact import checkpoint, plots
+    from freqact.analysis import common, theorem31
+
+    model, ckpt = checkpoint.load_model(args.checkpoint, args.device)
+    x, y = common.eval_batch(model, ckpt["config"], args.images, args.data_dir, args.device)
+    rows = theorem31.measure(model, x, y, ratio=args.ratio, end_to_end=args.end_to_end)
+    out = Path(args.out) if args.out else common.default_out_dir(Path(args.checkpoint))
+    written = [common.write_csv(rows, out / "theorem31.csv"), *plots.theorem31_figure(rows, out / "theorem31")]
+    s = theorem31.summarize(rows)
+    print(f"{args.checkpoint} (epoch {ckpt['epoch']}): bound held in {s['bound_holds']}/{s['layers']} layers; "
+          f"err_L < err_H in {s['err_L_lt_err_H']}, lam_L > lam_H in {s['lam_L_gt_lam_H']}, "
+          f"orderings agreed in {s['orderings_agree']}/{s['layers']}")
+    print("wrote " + ", ".join(map(str, written)))
+    return 0
+
+
+def _add_pooling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a checkpoint written by `freqact train`")
+    parser.add_argument("--blocks", type=int, nargs="+", default=[2, 4, 8, 16], metavar="B",
+                        help="DIVISION block sizes (default %(default)s)")
+    parser.add_argument("--layers", default="blocks", choices=("blocks", "convs", "all"),
+                        help="which activation maps besides the input images (default %(default)s)")
+    _add_analysis_arguments(parser, images=64)
+
+
+def _pooling(args: argparse.Namespace) -> int:
+    from freqact import checkpoint, plots
+    from freqact.analysis import common, pooling
+
+    model, ckpt = checkpoint.load_model(args.checkpoint, args.device)
+    x, _ = common.eval_batch(model, ckpt["config"], args.images, args.data_dir, args.device)
+    rows = pooling.measure(model, x, blocks=args.blocks, layers=args.layers)
+    out = Path(args.out) if args.out else common.default_out_dir(Path(args.checkpoint))
+    written = [common.write_csv(rows, out / "pooling.csv"), *plots.pooling_figure(rows, out / "pooling")]
+    worst = max(r["dc_identity_err"] for r in rows)
+    print(f"{args.checkpoint} (epoch {ckpt['epoch']}): {len(rows)} (map, B) pairs; "
+          f"max |block mean - DC/sqrt(block size)| = {worst:.2e}")
+    print("wrote " + ", ".join(map(str, written)))
+    return 0
+
+
+def _add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    from freqact import sweep
+
+    parser.add_argument("spec", help="a study spec (.toml, .json, .yaml) or a preset: "
+                        + ", ".join(sweep.presets()))
+    parser.add_argument("--out", default=None, help="the study's folder (default sweeps/NAME)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="worker processes; with several GPUs each takes one (round robin); "
+                        "on the CPU they share the cores (default %(default)s)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    parser.add_argument("--data-dir", default=None, help="CIFAR folder's parent (default $FREQACT_DATA, else ./data)")
+    parser.add_argument("--download", action="store_true", help="download CIFAR (md5-checked) when missing")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="list the runs and whether they are finished; train and write nothing")
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from freqact import sweep
+
+    if args.dry_run:
+        _, states = sweep.plan(args.spec, args.out, data_dir=args.data_dir)
+        for run_dir, state in states.items():
+            print(f"{state:9s} {run_dir}")
+        return 0
+    outcome = sweep.run(args.spec, args.out, jobs=args.jobs, device=args.device,
+                        data_dir=args.data_dir, download=args.download)
+    for run_dir, message in outcome["failed"]:
+        print(f"freqact sweep: {run_dir} failed: {message} (traceback in {run_dir}/error.log)",
+              file=sys.stderr)
+    if outcome["written"]:
+        print("wrote " + ", ".join(map(str, outcome["written"])))
+    return 1 if outcome["failed"] else 0
+
+
+def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    from freqact import demo
+
+    add = parser.add_argument
+    add("--data-dir", default=None,
+        help="CIFAR-10 folder's parent (default $FREQACT_DATA, else ./data); digits when absent")
+    add("--out", default="demo", help="output folder for runs, figures and report.md (default %(default)s)")
+    net = parser.add_mutually_exclusive_group()
+    net.add_argument("--download", action="store_true",
+                     help="download CIFAR-10 when missing, without the connectivity check")
+    net.add_argument("--offline", action="store_true", help="never try to download CIFAR-10")
+    add("--quick", action="store_true", help="a seconds-long smoke run (tiny subset, 2 epochs)")
+    add("--epochs", type=int, default=None, help=f"epochs per mode (default {demo.PLAN.epochs})")
+    add("--subset", type=int, default=None, help=f"training images (default {demo.PLAN.subset})")
+    add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from freqact import demo
+
+    demo.run(args.out, data_dir=args.data_dir, download=args.download, offline=args.offline,
+             quick=args.quick, epochs=args.epochs, subset=args.subset, device=args.device)
+    return 0
+
+
+def _add_figures_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("runs", nargs="+", metavar="RUN", help="run directories written by `freqact train`")
+    add("--out", default="figures", help="folder for the figures and tables (default %(default)s)")
+    add("--analysis-run", default=None, metavar="RUN",
+        help="the run whose checkpoints λ, Theorem 3.1 and pooling read (default: the normal run)")
+    add("--ratio", type=float, default=0.1, help="kept fraction W/N for λ and Theorem 3.1 (default %(default)s)")
+    add("--data-dir", default=None, help="CIFAR folder's parent (default: the runs')")
+    add("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")
+
+
+def _figures(args: argparse.Namespace) -> int:
+    from freqact import figures
+
+    made = figures.make_all(args.runs, args.out, analysis_run=args.analysis_run, ratio=args.ratio,
+                            data_dir=args.data_dir, device=args.device, progress=print)
+    print("wrote " + ", ".join(str(path) for fig in made.values() for path in fig.files))
+    return 0
+
+
 def _commands() -> list[Command]:
     """The registered subcommands, in the order `freqact --help` lists them."""
-    return []
+    return [
+        ("train", "Train a model (normal or with compressed activations); writes a run directory.",
+         _add_train_arguments, _train),
+        ("eval", "Test loss and accuracy of a training checkpoint.", _add_eval_arguments, _eval),
+        ("lambdas", "λ^L and λ^H per layer and instance from checkpoints (the paper's Fig. 4).",
+         _add_lambdas_arguments, _lambdas),
+        ("theorem31", "Measured weight-gradient errors of LFC/HFC caching vs the Theorem 3.1 bounds.",
+         _add_theorem31_arguments, _theorem31),
+        ("pooling", "DIVISION's block-mean LFC vs the DCT low-pass on real activation maps.",
+         _add_pooling_arguments, _pooling),
+        ("sweep", "Run a study (a grid of training runs) where missing; write its results table and figure.",
+         _add_sweep_arguments, _sweep),
+        ("demo", "The whole study at CPU scale: train every mode briefly, analyse, write report.md.",
+         _add_demo_arguments, _demo),
+        ("figures", "Regenerate every figure (λ, accuracy and memory, Theorem 3.1, pooling, per-layer "
+         "compression) from run directories.", _add_figures_arguments, _figures),
+    ]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         return int(args.handler(args) or 0)
-    except (ValueError, TypeError, FileNotFoundError, PermissionError, KeyError) as err:
+    # OSError: missing or unreadable files, and a disk that fills up while saving.
+    except (ValueError, TypeError, OSError, KeyError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"freqact {args.command}: error: {message}", file=sys.stderr)
         return 2

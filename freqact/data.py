@@ -424,6 +424,23 @@ def model_inputs(ds: Dataset, images: torch.Tensor, model: torch.nn.Module,
     return x.flatten(1) if len(getattr(model, "input_shape", (3, 32, 32))) == 1 else x
 
 
+def load_or_digits(name: str = "cifar10", data_dir: str | os.PathLike | None = None) -> tuple[Dataset, str]:
+    """CIFAR where `load` finds it, else scikit-learn's bundled digits (offline, 3x32x32).
+
+    Args:
+        name: "cifar10" or "cifar100".
+        data_dir: CIFAR's data directory (see `resolve_data_dir`).
+
+    Returns:
+        (dataset, note): the note is one line saying which dataset was taken and why.
+    """
+    _validate.choice("name", name, tuple(_CIFAR))
+    try:
+        return load(name, data_dir), f"dataset: {name} from {resolve_data_dir(data_dir)}"
+    except FileNotFoundError as err:
+        return load("digits"), f"{name} not found, falling back to the digits dataset ({err})"
+
+
 def augment_cifar(images: torch.Tensor, generator: torch.Generator,
                   padding: int = CIFAR_PADDING) -> torch.Tensor:
     """Random crop from the zero-padded image plus random horizontal flip, on the whole batch.

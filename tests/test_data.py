@@ -255,3 +255,13 @@ def test_load_for_model_shapes_data_for_the_model():
     Flat.input_shape = (100,)
     with pytest.raises(ValueError, match="100 features"):
         data.load_for_model("synthetic", Flat(), subset=4)
+
+
+def test_load_or_digits_takes_cifar_when_present_else_the_digits(cifar_dir, tmp_path):
+    ds, note = data.load_or_digits("cifar10", cifar_dir.parent)
+    assert ds.name == "cifar10" and len(ds.train_labels) == 50_000 and str(cifar_dir.parent) in note
+    ds, note = data.load_or_digits("cifar10", tmp_path)
+    assert ds.name == "digits" and "falling back to the digits dataset" in note
+    assert str(tmp_path) in note  # says where it looked
+    with pytest.raises(ValueError, match="name"):
+        data.load_or_digits("digits", tmp_path)

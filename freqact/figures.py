@@ -1,0 +1,291 @@
+"""Every figure of a set of training runs, regenerated from their run directories.
+
+    results = make_all(["runs/normal", "runs/lfc", "runs/hfc", "runs/division"], "figures")
+
+`freqact figures RUN...` and `freqact demo` both call `make_all`, so the demo's figures and the
+published ones come from one path. From the run directories (`config.json`, `metrics.csv`,
+`ckpt/epoch-*.pt`, `ckpt/last.pt`) it computes and writes, each as a table (CSV) and a figure
+(PNG + PDF) in `out`:
+
+- `lambdas`: λ^L and λ^H per block output across the epoch checkpoints of the analysis run
+  (`analysis.lambdas.from_checkpoints`; the paper's Fig. 4).
+- `training`: test accuracy and training loss per epoch of every run (`metrics.csv`) and the
+  activation memory each run's mode caches for one training batch (the paper's Fig. 3 b, c:
+  LFC-ACT vs HFC-ACT vs normal, with DIVISION beside them).
+- `theorem31`: measured weight-gradient errors of LFC/HFC caching against the Theorem 3.1 bounds,
+  on the analysis run's last checkpoint (`analysis.theorem31.measure`).
+- `pooling`: DIVISION's block-mean LFC against the DCT low-pass on the same checkpoint's maps
+  (`analysis.pooling.measure`; Theorem 4.1).
+- `compression`: bytes cached per layer by each run's mode, and the per-layer ratio.
+
+Memory is measured from checkpoints, not recorded during training: the run's last model does one
+training-mode forward pass on its first `batch_size` test images inside
+`engine.compress(model, <the run's codec>)` and the meter's `per_layer()` table is kept (for
+`normal` runs its plain-PyTorch column, `exact_bytes`). Every codec's packed size depends only on
+the tensor shapes, so this is exactly what one training step of that batch size caches, and any
+finished run can be measured again without retraining. The analysis run is the `normal` run when one is given (the paper's
+analyses are of normal training), else the first run.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from freqact import _validate, checkpoint, engine, plots, train
+from freqact.analysis import common, lambdas, pooling, theorem31
+
+FIGURES = ("lambdas", "training", "theorem31", "pooling", "compression")
+
+CAPTIONS = {
+    "lambdas": "λ^L (low band) beside λ^H (high band) of every block output, mean ± std over test "
+               "images, one panel per checkpoint of the analysis run (the paper's Fig. 4). λ^L above "
+               "λ^H means the block's maps live mostly in the low frequencies.",
+    "training": "Test accuracy and training loss per epoch of every run, and the activation memory "
+                "one training batch caches in each mode (plain PyTorch bytes as the outline): "
+                "LFC-ACT vs HFC-ACT vs normal training (the paper's Fig. 3 b, c), with DIVISION.",
+    "theorem31": "Per conv/linear layer of the analysis run's last checkpoint: the weight-gradient "
+                 "error when only that layer caches its input's LFC (err^L) or HFC (err^H), against "
+                 "the Theorem 3.1 bounds GEB^L, GEB^H; lower panel: the errors when the whole network "
+                 "caches LFC or HFC.",
+    "pooling": "DIVISION's block-mean LFC against the DCT low-pass keeping W/N = 1/B, per activation "
+               "map and block size B: their relative distance and the energy share each captures "
+               "(Theorem 4.1: average pooling is a low-pass filter).",
+    "compression": "Bytes each layer caches for backward in each run's mode (one training batch), and "
+                   "their running total along the forward pass against plain PyTorch's. A storage "
+                   "several layers save belongs to the first (a conv reading a ReLU's output shows "
+                   "no plain bytes: the ReLU holds them).",
+}
+
+
+@dataclasses.dataclass
+class Figure:
+    """One regenerated figure with the table it was drawn from.
+
+    Attributes:
+        name: one of `FIGURES`.
+        caption: what the figure shows.
+        files: the written figure files (PNG, PDF) and tables (CSV).
+        rows: the table the figure was drawn from (list of dicts).
+    """
+
+    name: str
+    caption: str
+    files: list[Path]
+    rows: list[dict]
+
+
+def run_config(run_dir: str | os.PathLike) -> dict:
+    """The stored run config (`RUN/config.json`) of a run directory.
+
+    Raises:
+        FileNotFoundError: if `run_dir` holds no config.json.
+    """
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"run_dirs: {run_dir} is not a run directory (no config.json)")
+    return json.loads(path.read_text())
+
+
+def run_label(config: dict) -> str:
+    """A short label of a run's mode and codec settings, e.g. "division (block=8, bits=2)"."""
+    settings = ", ".join(f"{k}={v}" for k, v in _codec_params(config).items())
+    return f"{config['mode']} ({settings})" if settings else config["mode"]
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    """`RUN/metrics.csv` as a list of dicts: numbers as int/float, empty cells as None.
+
+    Raises:
+        FileNotFoundError: if the run has no metrics.csv (it has not finished an epoch).
+    """
+    path = Path(run_dir) / "metrics.csv"
+    if not path.is_file():
+        raise FileNotFoundError(f"run_dirs: {run_dir} has no metrics.csv (no finished epoch)")
+    with open(path, newline="") as f:
+        return [{key: _number(value) for key, value in row.items()} for row in csv.DictReader(f)]
+
+
+def layer_memory(path: str | os.PathLike, *, images: int | None = None,
+                 data_dir: str | os.PathLike | None = None,
+                 device: str | torch.device = "cpu") -> list[dict]:
+    """Bytes each layer caches for backward in one training step of a checkpoint's run mode.
+
+    One training-mode forward pass (BatchNorm batch statistics, as in training) of the checkpoint's
+    model on the first `images` test images, inside `engine.compress` with the run's codec
+    (for `normal` runs: `exact`, and the rows report plain PyTorch's bytes, `exact_bytes`, as saved).
+
+    Args:
+        path: a checkpoint written by `freqact.train`.
+        images: batch size (default: the run's training batch size; fewer if the test set is
+            smaller).
+        data_dir: overrides the data directory the run recorded.
+        device: where to run.
+
+    Returns:
+        `engine.Meter.per_layer()` rows ({"layer", "type", "saved_bytes", "exact_bytes", "ratio",
+        "count"}) in forward order, plus "images" (the batch size used).
+    """
+    # a private RNG stream: building the model and the codec's stochastic rounding draw numbers
+    with torch.random.fork_rng(devices=[]):
+        model, ckpt = checkpoint.load_model(path, device)
+        config = ckpt["config"]
+        images = _validate.positive_int("images", config["batch_size"] if images is None else images)
+        x, _ = common.eval_batch(model, config, images, data_dir, device)
+        codec = "exact" if config["mode"] == "normal" else config["mode"]
+        with common.scratch_state(model, train=True):
+            with engine.compress(model, codec, **_codec_params(config)) as meter:
+                out = model(x)
+            del out  # frees the graph and with it the packed activations
+    rows = meter.per_layer()
+    if config["mode"] == "normal":
+        # plain PyTorch holds exactly the meter's exact_bytes (the `exact` codec still masks ReLUs)
+        rows = [{**row, "saved_bytes": row["exact_bytes"], "ratio": 1.0} for row in rows]
+    return [{**row, "images": len(x)} for row in rows]
+
+
+def make_all(
+    run_dirs: Sequence[str | os.PathLike],
+    out: str | os.PathLike,
+    *,
+    analysis_run: str | os.PathLike | None = None,
+    ratio: float = 0.1,
+    blocks: Sequence[int] = (2, 4, 8, 16),
+    lambda_images: int = 256,
+    theorem_images: int = 128,
+    pooling_images: int = 64,
+    memory_images: int | None = None,
+    data_dir: str | os.PathLike | None = None,
+    device: str | torch.device = "cpu",
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Figure]:
+    """Compute every table from the run directories and draw every figure into `out`.
+
+    Args:
+        run_dirs: run directories written by `freqact.train` (one per mode, typically).
+        out: folder for the figures (`NAME.png`, `NAME.pdf`) and tables (`NAME.csv`).
+        analysis_run: the run whose checkpoints the λ, Theorem 3.1 and pooling analyses read
+            (default: the `normal` run, else the first).
+        ratio: kept fraction W/N of each frequency axis for λ and Theorem 3.1, in (0, 1].
+        blocks: DIVISION block sizes compared with the DCT low-pass.
+        lambda_images, theorem_images, pooling_images: test images each analysis reads.
+        memory_images: batch size of the memory measurement (default: each run's batch size).
+        data_dir: overrides the data directory the runs recorded.
+        device: where to run the models.
+        progress: called with a short line before each step (e.g. `print`).
+
+    Returns:
+        {name: Figure} for every name in `FIGURES`, in that order.
+
+    Raises:
+        ValueError: if `run_dirs` is empty or `analysis_run` is not one of them.
+        FileNotFoundError: if a run directory lacks config.json, metrics.csv or checkpoints.
+    """
+    if isinstance(run_dirs, (str, os.PathLike)) or not run_dirs:
+        raise ValueError(f"run_dirs: expected a non-empty list of run directories, got {run_dirs!r}")
+    _validate.unit_ratio("ratio", ratio)
+    runs = [Path(r) for r in run_dirs]
+    configs = [run_config(r) for r in runs]
+    labels = _unique_labels([run_label(c) for c in configs], runs)
+    main_run = _analysis_run(runs, configs, analysis_run)
+    out = Path(out)
+    say = progress or (lambda line: None)
+    made: dict[str, Figure] = {}
+
+    say(f"lambdas: λ per block output across the checkpoints of {main_run}")
+    rows = lambdas.from_checkpoints([main_run], ratio=ratio, images=lambda_images,
+                                    data_dir=data_dir, device=device)
+    made["lambdas"] = _figure("lambdas", out, rows, plots.lambdas_figure)
+
+    say("memory: bytes cached per layer, one training batch per run")
+    memory = [{"run": label, **row} for label, path in zip(labels, map(_last_checkpoint, runs))
+              for row in layer_memory(path, images=memory_images, data_dir=data_dir, device=device)]
+    metrics = [{"run": label, **row} for label, r in zip(labels, runs) for row in read_metrics(r)]
+    totals = memory_totals(memory)
+    made["training"] = _figure(
+        "training", out, metrics, lambda rows, stem: plots.training_figure(rows, stem, memory=totals))
+
+    main_ckpt = _last_checkpoint(main_run)
+    model, ckpt = checkpoint.load_model(main_ckpt, device)
+    say(f"theorem31: gradient errors vs bounds on {main_ckpt}")
+    x, y = common.eval_batch(model, ckpt["config"], theorem_images, data_dir, device)
+    rows = theorem31.measure(model, x, y, ratio=ratio)
+    made["theorem31"] = _figure("theorem31", out, rows, plots.theorem31_figure)
+
+    say(f"pooling: block means vs DCT low-pass on {main_ckpt}")
+    x, _ = common.eval_batch(model, ckpt["config"], pooling_images, data_dir, device)
+    rows = pooling.measure(model, x, blocks=blocks)
+    made["pooling"] = _figure("pooling", out, rows, plots.pooling_figure)
+
+    made["compression"] = _figure("compression", out, memory, plots.compression_figure)
+    return made
+
+
+def memory_totals(rows: Sequence[dict]) -> list[dict]:
+    """Per run: the summed bytes of a `layer_memory` table with a "run" column.
+
+    Returns:
+        One row per run in first-seen order: {"run", "images", "exact_bytes", "saved_bytes",
+        "ratio"} (ratio = exact / saved).
+    """
+    totals: dict[str, dict] = {}
+    for row in rows:
+        total = totals.setdefault(row["run"], {"run": row["run"], "images": row["images"],
+                                               "exact_bytes": 0, "saved_bytes": 0})
+        total["exact_bytes"] += row["exact_bytes"]
+        total["saved_bytes"] += row["saved_bytes"]
+    for total in totals.values():
+        total["ratio"] = total["exact_bytes"] / total["saved_bytes"] if total["saved_bytes"] else float("inf")
+    return list(totals.values())
+
+
+def _last_checkpoint(run: Path) -> Path:
+    """RUN/ckpt/last.pt, the run's final state."""
+    path = run / "ckpt" / "last.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"run_dirs: {run} has no ckpt/last.pt (no finished epoch)")
+    return path
+
+
+def _codec_params(config: dict) -> dict:
+    """The codec settings of a stored run config's mode, e.g. {"block": 8, "bits": 2}."""
+    fields = {f.name for f in dataclasses.fields(train.RunConfig)}
+    return train.RunConfig(**{k: v for k, v in config.items() if k in fields}).codec_params()
+
+
+def _figure(name: str, out: Path, rows: list[dict], draw: Callable) -> Figure:
+    """Write `rows` as out/NAME.csv and draw them as out/NAME.png/.pdf."""
+    files = [common.write_csv(rows, out / f"{name}.csv"), *draw(rows, out / name)]
+    return Figure(name, CAPTIONS[name], files, rows)
+
+
+def _analysis_run(runs: list[Path], configs: list[dict], chosen) -> Path:
+    """The run the analyses read: `chosen`, else the first `normal` run, else the first run."""
+    if chosen is not None:
+        matches = [r for r in runs if r.resolve() == Path(chosen).resolve()]
+        if not matches:
+            raise ValueError(f"analysis_run: expected one of the run directories "
+                             f"{', '.join(map(str, runs))}, got {chosen}")
+        return matches[0]
+    return next((r for r, c in zip(runs, configs) if c["mode"] == "normal"), runs[0])
+
+
+def _unique_labels(labels: list[str], runs: list[Path]) -> list[str]:
+    """Labels, with the run directory's name appended where two runs share one."""
+    return [f"{label} [{run.name}]" if labels.count(label) > 1 else label
+            for label, run in zip(labels, runs)]
+
+
+def _number(text: str) -> int | float | None:
+    """A CSV cell as int or float; empty cells (values a mode does not have) as None."""
+    if text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)

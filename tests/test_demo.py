@@ -1,0 +1,146 @@
+"""freqact.demo: data choice (never touching the network), the end-to-end run and its report."""
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pytest
+
+from freqact import cli, demo, figures
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("must not be called")
+
+
+def _offline_fetch(name, root):
+    raise FileNotFoundError(f"{name}: could not download (offline)")
+
+
+def test_choose_data_takes_cifar10_from_the_data_dir_without_the_network(cifar_dir):
+    choice = demo.choose_data(cifar_dir.parent, check_online=_never, fetch=_never)
+    assert (choice.dataset, choice.data_dir) == ("cifar10", str(cifar_dir.parent))
+    assert "found" in choice.note
+
+
+def test_choose_data_falls_back_to_digits_offline_in_one_line(tmp_path):
+    choice = demo.choose_data(tmp_path, check_online=lambda: False, fetch=_never)
+    assert (choice.dataset, choice.data_dir) == ("digits", None)
+    assert choice.note.startswith(f"CIFAR-10 not found in {tmp_path}; using scikit-learn digits "
+                                  "(offline fallback")
+    assert "\n" not in choice.note
+
+
+def test_choose_data_reads_freqact_data(monkeypatch, tmp_path):
+    monkeypatch.setenv("FREQACT_DATA", str(tmp_path))
+    assert str(tmp_path) in demo.choose_data(check_online=lambda: False, fetch=_never).note
+
+
+def test_choose_data_download_failure_falls_back_and_says_why(tmp_path):
+    calls = []
+
+    def fetch(name, root):
+        calls.append((name, root))
+        raise FileNotFoundError("no route to host")
+
+    choice = demo.choose_data(tmp_path, download=True, check_online=_never, fetch=fetch)
+    assert calls == [("cifar10", tmp_path)]
+    assert choice.dataset == "digits" and "download failed: no route to host" in choice.note
+
+
+def test_choose_data_uses_the_download_when_online(cifar_dir, tmp_path):
+    def fetch(name, root):  # stands in for the official archive: unpacks the real files
+        (root / cifar_dir.name).symlink_to(cifar_dir, target_is_directory=True)
+
+    choice = demo.choose_data(tmp_path, check_online=lambda: True, fetch=fetch)
+    assert (choice.dataset, choice.data_dir) == ("cifar10", str(tmp_path))
+    assert "downloaded" in choice.note
+
+
+def test_online_gives_up_after_its_timeout(monkeypatch):
+    release = threading.Event()
+
+    def hang(address, timeout):  # a DNS lookup that does not answer in time
+        release.wait(10)
+        raise OSError("answered too late")
+
+    monkeypatch.setattr(demo.socket, "create_connection", hang)
+    start = time.perf_counter()
+    try:
+        assert demo.online(timeout=0.1) is False
+        assert time.perf_counter() - start < 2
+    finally:
+        release.set()  # let the abandoned probe thread finish
+
+
+def test_online_true_when_the_connection_opens(monkeypatch):
+    class Connection:
+        def close(self):
+            pass
+
+    seen = []
+    monkeypatch.setattr(demo.socket, "create_connection",
+                        lambda address, timeout: seen.append(address) or Connection())
+    assert demo.online(timeout=1.0) is True and seen == [demo.CIFAR_HOST]
+
+
+def test_online_false_when_refused(monkeypatch):
+    def refuse(address, timeout):
+        raise ConnectionRefusedError("refused")
+
+    monkeypatch.setattr(demo.socket, "create_connection", refuse)
+    assert demo.online(timeout=1.0) is False
+
+
+def test_run_refuses_an_out_that_holds_runs(tmp_path):
+    (tmp_path / "runs" / "normal").mkdir(parents=True)
+    with pytest.raises(ValueError, match="already holds a demo"):
+        demo.run(tmp_path, offline=True, log=_never)
+
+
+@pytest.mark.parametrize("kwargs,error", [({"epochs": 0}, ValueError), ({"subset": 1.5}, TypeError),
+                                          ({"download": True}, ValueError)])
+def test_run_validates_the_plan_overrides(kwargs, error, tmp_path):
+    with pytest.raises(error, match=next(iter(kwargs))):
+        demo.run(tmp_path, offline=True, log=_never, **kwargs)
+
+
+@pytest.mark.slow
+def test_quick_demo_end_to_end_on_digits(tmp_path):
+    lines = []
+    report = demo.run(tmp_path / "out", data_dir=tmp_path / "no-data", quick=True, device="cpu",
+                      check_online=_never, fetch=_never, offline=True, log=lines.append)
+    out = tmp_path / "out"
+    assert report == out / "report.md"
+    stages = [line for line in lines if re.match(r"\[\d/7\] ", line)]
+    assert [s[:5] for s in stages] == [f"[{i}/7]" for i in range(1, 8)]
+    assert [line for line in lines if "using scikit-learn digits (offline fallback" in line]
+    for mode in demo.MODES:
+        ckpts = sorted(p.name for p in (out / "runs" / mode / "ckpt").glob("epoch-*.pt"))
+        assert ckpts == [f"epoch-{e:04d}.pt" for e in range(1, demo.QUICK_PLAN.epochs + 1)]
+    text = report.read_text()
+    links = re.findall(r"\]\(([^)]+)\)", text)
+    assert links and all((out / link).exists() for link in links)
+    for name in figures.FIGURES:
+        assert f"figures/{name}.png" in links and (out / "figures" / f"{name}.pdf").is_file()
+    # the training table is the runs' own metrics
+    for mode in demo.MODES:
+        final = figures.read_metrics(out / "runs" / mode)[-1]
+        row = next(line for line in text.splitlines() if line.startswith(f"| {mode} |"))
+        assert row.split("|")[2].strip() == f"{final['test_acc']:.3f}"
+
+
+def test_cli_demo_maps_arguments_to_run(monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setattr(demo, "run", lambda out, **kwargs: seen.update(out=out, **kwargs))
+    assert cli.main(["demo", "--out", str(tmp_path), "--quick", "--offline", "--epochs", "2",
+                     "--data-dir", "d"]) == 0
+    assert seen == {"out": str(tmp_path), "data_dir": "d", "download": False, "offline": True,
+                    "quick": True, "epochs": 2, "subset": None, "device": None}
+
+
+def test_cli_demo_download_and_offline_exclude_each_other():
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--download", "--offline"])
+    assert exit_info.value.code == 2
