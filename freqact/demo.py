@@ -153,7 +153,7 @@ def choose_data(
             if _has_cifar10(root):
                 return DataChoice("cifar10", str(root), f"CIFAR-10 downloaded into {root}")
             reason = "the download did not produce cifar-10-batches-py"
-    return DataChoice("digits", None, f"CIFAR-10 not found in {root}; using scikit-learn digits "
+    return DataChoice("digits", None, f"CIFAR-10 not found in {root.resolve()}; using scikit-learn digits "
                                       f"(offline fallback: {reason})")
 
 

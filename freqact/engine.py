@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from freqact import codecs as _codecs
-from freqact.codecs.base import Codec, Exact, tensor_nbytes
+from freqact.codecs.base import Codec, Exact
 from freqact.codecs.cheap import (
     DropoutMask, HardtanhMask, MaxPoolIndices, ReluMask, ShapeOnly, SignMask,
 )

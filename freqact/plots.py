@@ -133,7 +133,6 @@ def pooling_figure(rows: Sequence[dict], stem: str | os.PathLike) -> list[Path]:
     layers = list(dict.fromkeys(r["layer"] for r in rows))
     blocks = sorted({r["block"] for r in rows})
     table = {(r["layer"], r["block"]): r for r in rows}
-    pos = np.arange(len(layers))
     fig = Figure(figsize=(max(6.0, 0.35 * len(layers) + 2), 6.8))
     dist_ax, energy_ax = fig.subplots(2, 1)
     colors = [f"C{i}" for i in range(len(blocks))]

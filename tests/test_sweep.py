@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from freqact import cli, sweep, train
+from freqact import cli, sweep
 
 # One optimizer step per epoch of a small MLP on synthetic data: the cheapest real run.
 TINY_BASE = {"model": "mlp", "dataset": "synthetic", "subset": 32, "epochs": 1, "batch_size": 32,

@@ -165,9 +165,8 @@ def eval_batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The first `images` test images of a run's dataset, as the run's model sees them.
 
-    Deterministic (no augmentation, no shuffling), so every checkpoint sees the same batch. Mirrors
-    how `freqact.train` loads a run's data: digits/synthetic shaped to the model's (C, H, W) input,
-    the run's seed and subset, flattened for models with a 1D input.
+    Deterministic (no augmentation, no shuffling), so every checkpoint sees the same batch; loaded
+    and shaped as `freqact.train` does (`data.load_for_model`, `data.model_inputs`).
 
     Args:
         model: the run's model (its `input_shape` attribute is read).
@@ -180,17 +179,14 @@ def eval_batch(
         (x, y): float32 inputs (n, *model.input_shape) normalised as in training, int64 labels (n,).
     """
     _validate.positive_int("images", images)
-    shape = tuple(getattr(model, "input_shape", (3, 32, 32)))
-    ds = data.load(
+    ds = data.load_for_model(
         config["dataset"],
+        model,
         data_dir if data_dir is not None else config.get("data_dir"),
-        shape=shape if len(shape) == 3 else (3, 32, 32),
         subset=config.get("subset"),
         seed=config.get("seed", 0),
     )
-    x = data.normalize(ds.test_images[:images], ds.mean, ds.std)
-    if len(shape) == 1:
-        x = x.flatten(1)
+    x = data.model_inputs(ds, ds.test_images[:images], model)
     return x.to(device), ds.test_labels[:images].to(device)
 
 

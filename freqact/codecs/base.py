@@ -16,7 +16,6 @@ from typing import Callable
 
 import torch
 
-from freqact import _validate
 
 _REGISTRY: dict[str, Callable[..., "Codec"]] = {}
 
