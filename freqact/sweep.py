@@ -365,8 +365,8 @@ def markdown_table(study: Study, rows: Sequence[dict]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Test accuracy: mean ± sample std over the finished seeds (seeds: finished/planned). "
               "images/s: training throughput, mean over the epochs after the first. compression: "
-              "exact / saved bytes of the activations cached for backward in the last training "
-              "step (– for normal training, which stores them as they are).", ""]
+              "exact / saved bytes of the activations cached for backward in the last epoch's first "
+              "(full-batch) training step (– for normal training, which stores them as they are).", ""]
     return "\n".join(lines)
 
 

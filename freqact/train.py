@@ -307,9 +307,11 @@ def _train_epoch(config, ctx, ddp, net, ds, order, optimizer, scaler, aug_gen, e
         x = data.model_inputs(ds, ds.train_images[idx], net, aug_gen if ds.augment else None)
         y = ds.train_labels[idx]
         autocast = torch.autocast(ctx.device.type, amp_dtype, enabled=config.amp)
-        with _compressing(net, config) as meter, autocast:
+        with _compressing(net, config) as step_meter, autocast:
             logits = ddp(x)
             loss = F.cross_entropy(logits, y)
+        if step == 0:  # a full batch (the last one may be short): what one step holds
+            meter = step_meter
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
@@ -324,7 +326,7 @@ def _train_epoch(config, ctx, ddp, net, ds, order, optimizer, scaler, aug_gen, e
     summary = _summarise(distributed.all_reduce_sum(sums, ctx))
     row = {"epoch": epoch, "train_loss": summary["loss"], "train_acc": summary["accuracy"],
            "epoch_time_s": elapsed, "images_per_s": summary["count"] / elapsed}
-    if meter is not None:  # the last step's meter: what one step of this epoch held for backward
+    if meter is not None:  # the first step's meter: what one full step holds for backward
         row.update(saved_bytes=meter.saved_bytes, exact_bytes=meter.exact_bytes,
                    compression_ratio=meter.ratio)
     if ctx.device.type == "cuda":
