@@ -10,9 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from freqact import codecs
+from freqact import codecs, kernels
 from freqact.codecs.base import Exact
-from freqact.codecs.cheap import pack_bits, unpack_bits
 from freqact.engine import compress
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -430,14 +429,23 @@ def test_bad_arguments_name_the_argument():
 # --- the exact-but-cheap codecs -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [1, 7, 8, 9, 1000])
-def test_bits_round_trip(n):
-    bits = torch.rand(n) > 0.5
-    packed = pack_bits(bits)
-    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(n / 8)
-    assert torch.equal(unpack_bits(packed, bits.shape), bits)
-    # Bit i of byte j is element 8 j + i.
-    assert int(packed[0]) == sum(int(b) << i for i, b in enumerate(bits[:8].tolist()))
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1000, 3 * 4096 + 5])
+def test_masks_round_trip(n, dtype, backend):
+    x = torch.randn(n).to(dtype)
+    x[:3] = torch.tensor([0.0, float("inf"), float("nan")], dtype=dtype)[:n]
+    for lower, upper in [(0.0, None), (-0.5, 0.5)]:
+        inside = x > lower if upper is None else (x > lower) & (x < upper)
+        packed = kernels.pack_mask(x, lower, upper, backend=backend)
+        assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(n / 8)
+        # Bit i of byte j is element 8 j + i.
+        assert int(packed[0]) == sum(int(b) << i for i, b in enumerate(inside[:8].tolist()))
+        for off, on in [(0.0, 1.0), (-1.0, 0.25)]:
+            out = kernels.unpack_mask(packed, x.shape, dtype, off, on, backend=backend)
+            assert out.dtype == dtype and out.shape == x.shape
+            assert torch.equal(out, torch.where(inside, torch.tensor(on, dtype=dtype),
+                                                torch.tensor(off, dtype=dtype)))
 
 
 @pytest.mark.parametrize("dims,kernel,stride,padding,dilation,ceil_mode", [

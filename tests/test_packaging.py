@@ -64,3 +64,24 @@ def test_python_dash_m_runs_the_cli():
     done = subprocess.run([sys.executable, "-m", "freqact", "--version"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("freqact ")
+
+
+@pytest.mark.slow
+def test_wheel_ships_the_data_files_the_code_reads(tmp_path):
+    # The C kernel source is compiled at run time and the sweep presets are read at run time:
+    # a non-editable install must carry both.
+    import shutil
+    import zipfile
+
+    src = tmp_path / "src"  # a copy: an in-tree build would leave build/ in the repository
+    shutil.copytree(REPO_ROOT / "freqact", src / "freqact",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO_ROOT / name, src / name)
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                           "-q", "-w", str(tmp_path), str(src)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (wheel,) = tmp_path.glob("freqact-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "freqact/kernels/cpu_division.c" in names
+    assert any(n.startswith("freqact/presets/") and n.endswith(".toml") for n in names)

@@ -20,25 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from freqact import _validate
+from freqact import _validate, kernels
 from freqact.codecs.base import Codec, register, tensor_nbytes
-from freqact.kernels.reference import pack_codes, unpack_codes
-
-def pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    """Pack a bool tensor into bytes, 8 elements per byte, element i at bit i % 8 of byte i // 8.
-
-    Args:
-        bits: bool tensor of any shape (read in row-major order).
-
-    Returns:
-        uint8 tensor of shape (ceil(bits.numel() / 8),).
-    """
-    return pack_codes(bits.reshape(-1).view(torch.uint8), 1)
-
-
-def unpack_bits(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """Inverse of `pack_bits`: a bool tensor of `shape` from its packed bytes."""
-    return unpack_codes(packed, math.prod(shape), 1).view(torch.bool).view(shape)
 
 
 @dataclass(frozen=True)
@@ -57,12 +40,7 @@ class BitsPacked:
 
 
 def _decode_bits(packed: BitsPacked) -> torch.Tensor:
-    bits = unpack_bits(packed.bits, packed.shape)
-    if packed.off == 0.0 and packed.on == 1.0:
-        return bits.to(packed.dtype)
-    on = torch.tensor(packed.on, dtype=packed.dtype, device=bits.device)
-    off = torch.tensor(packed.off, dtype=packed.dtype, device=bits.device)
-    return torch.where(bits, on, off)
+    return kernels.unpack_mask(packed.bits, packed.shape, packed.dtype, packed.off, packed.on)
 
 
 @register("relu-mask")
@@ -71,7 +49,7 @@ class ReluMask(Codec):
 
     def encode(self, x: torch.Tensor) -> BitsPacked:
         _validate.floating_tensor("x", x)
-        return BitsPacked(pack_bits(x > 0), x.shape, x.dtype, 0.0, 1.0)
+        return BitsPacked(kernels.pack_mask(x, 0.0), x.shape, x.dtype, 0.0, 1.0)
 
     def decode(self, packed: BitsPacked) -> torch.Tensor:
         return _decode_bits(packed)
@@ -83,7 +61,7 @@ class SignMask(Codec):
 
     def encode(self, x: torch.Tensor) -> BitsPacked:
         _validate.floating_tensor("x", x)
-        return BitsPacked(pack_bits(x > 0), x.shape, x.dtype, -1.0, 1.0)
+        return BitsPacked(kernels.pack_mask(x, 0.0), x.shape, x.dtype, -1.0, 1.0)
 
     def decode(self, packed: BitsPacked) -> torch.Tensor:
         return _decode_bits(packed)
@@ -115,8 +93,8 @@ class HardtanhMask(Codec):
                 f"x: dtype {x.dtype} cannot represent a value strictly inside "
                 f"({self.min_val}, {self.max_val})"
             )
-        inside = (x > self.min_val) & (x < self.max_val)
-        return BitsPacked(pack_bits(inside), x.shape, x.dtype, self.min_val, mid)
+        return BitsPacked(kernels.pack_mask(x, self.min_val, self.max_val), x.shape, x.dtype,
+                          self.min_val, mid)
 
     def decode(self, packed: BitsPacked) -> torch.Tensor:
         return _decode_bits(packed)
@@ -136,7 +114,8 @@ class DropoutMask(Codec):
         scale = x.max().item() if x.numel() else 0.0
         if not torch.equal(keep, x == scale):
             raise ValueError("x: expected a dropout mask holding only 0 and one scale value")
-        return BitsPacked(pack_bits(keep), x.shape, x.dtype, 0.0, scale)
+        return BitsPacked(kernels.pack_codes(keep.reshape(-1).view(torch.uint8), 1), x.shape,
+                          x.dtype, 0.0, scale)
 
     def decode(self, packed: BitsPacked) -> torch.Tensor:
         return _decode_bits(packed)

@@ -78,12 +78,8 @@ class DivisionNoLFC(Division):
     """
 
     def encode(self, x: torch.Tensor) -> DivisionPacked:
-        # Through the reference: the Triton decode only knows the full form.
-        packed = reference.division_encode(x, self.block, self.bits)
+        packed = kernels.division_encode(x, self.block, self.bits)
         return dataclasses.replace(packed, lfc=None, block=None)
-
-    def decode(self, packed: DivisionPacked) -> torch.Tensor:
-        return reference.division_decode(packed)
 
 
 @register("quant")
@@ -99,7 +95,7 @@ class Quant(Codec):
         self.bits = reference.check_bits(bits)
 
     def encode(self, x: torch.Tensor) -> DivisionPacked:
-        return reference.quantize_encode(x, self.bits)
+        return kernels.quantize_encode(x, self.bits)
 
     def decode(self, packed: DivisionPacked) -> torch.Tensor:
-        return reference.division_decode(packed)
+        return kernels.division_decode(packed)

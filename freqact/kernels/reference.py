@@ -37,8 +37,10 @@ __all__ = [
     "division_encode",
     "lfc_encode",
     "pack_codes",
+    "pack_mask",
     "quantize_encode",
     "unpack_codes",
+    "unpack_mask",
 ]
 
 BITS = (1, 2, 4, 8)
@@ -276,6 +278,34 @@ def unpack_codes(codes: torch.Tensor, count: int, bits: int) -> torch.Tensor:
     mask = int.from_bytes(bytes([2**bits - 1]) * per_byte, "little", signed=True)
     q = (word & mask).view(torch.uint8)
     return q[..., :count]
+
+
+def pack_mask(x: torch.Tensor, lower: float, upper: float | None = None) -> torch.Tensor:
+    """One bit per element of x: `lower < x` (and `x < upper` when given), packed 8 per byte.
+
+    Args:
+        x: floating tensor, any shape (read in logical order).
+        lower, upper: the open interval's ends (compared in x's dtype, as `x > lower` does).
+
+    Returns:
+        uint8 (ceil(x.numel() / 8),); element i at bit i % 8 of byte i // 8.
+    """
+    inside = x > lower if upper is None else (x > lower) & (x < upper)
+    return pack_codes(inside.reshape(-1).view(torch.uint8), 1)
+
+
+def unpack_mask(packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype, off: float,
+                on: float) -> torch.Tensor:
+    """Inverse of `pack_mask` up to the values: `on` where the bit is set, else `off`.
+
+    Returns:
+        Tensor of `shape` and `dtype` on packed's device.
+    """
+    bits = unpack_codes(packed, math.prod(shape), 1).view(torch.bool).view(shape)
+    if off == 0.0 and on == 1.0:
+        return bits.to(dtype)
+    return torch.where(bits, torch.tensor(on, dtype=dtype, device=bits.device),
+                       torch.tensor(off, dtype=dtype, device=bits.device))
 
 
 # --- public encode / decode ----------------------------------------------------------------------

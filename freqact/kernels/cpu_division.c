@@ -1,0 +1,463 @@
+/* Fused CPU kernels for the DIVISION packed format (docs/ARCHITECTURE.md), and Q-bit packing.
+ *
+ * The torch reference (freqact/kernels/reference.py) is the specification; these functions give
+ * the same bytes for the same uniforms (tests/kernels/test_cpu_division.py), with one difference
+ * allowed: block sums are added in another order, so on general float32 data a block mean may
+ * differ from the reference's in its last float32 bit (and, rarely, its bf16 rounding).
+ *
+ * Layout: `maps` activation maps of D x H x W float32 elements each, contiguous and in logical
+ * order (1D maps are 1 x 1 x L, 2D maps 1 x H x W). Blocks are bd x bh x bw with bd = min(B, D)
+ * etc.; edge blocks average what they cover. block == 0 means no block means (the `quant`
+ * ablation: the codes quantise x itself). One OpenMP thread team of `threads` splits the maps.
+ *
+ * Encode per map, the data staying in cache between its passes:
+ *   1. block sums (rows added column-wise, then each block's columns) -> lfc = bf16(sum / count),
+ *      rounded to nearest even (as torch's .to(bfloat16));
+ *   2. h = x - float(lfc), its min and max (a NaN anywhere makes both NaN);
+ *   3. lo = bf16 rounded down from min, step = bf16 rounded up from (max - lo) / (2^Q - 1),
+ *      codes = clamp(floor(u + (h - lo) / step), 0, 2^Q - 1) (step 0 divides by 1), packed
+ *      8 / Q per byte, code i at bit (i % (8 / Q)) * Q of byte i / (8 / Q).
+ * u comes from `noise` when given, else u = top 24 bits of SplitMix64 (Steele, Lea and Flood
+ * 2014) at state seed + (g + 1) * golden gamma, g the element's index in the whole tensor: a
+ * counter-based stream, so the bytes depend on the seed alone, not on the thread count.
+ *
+ * Built with -ffp-contract=off and without -ffast-math: every float operation rounds as the
+ * reference's torch operations do. Loops are written so that the compiler vectorises them
+ * (flat loops over a map, lane arrays for the min/max) rather than with intrinsics.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    int64_t size[3];      /* D, H, W */
+    int64_t blk[3];       /* block extent per dim */
+    int64_t nb[3];        /* blocks per dim */
+    int64_t numel;        /* D * H * W */
+    int64_t nblocks;      /* nb[0] * nb[1] * nb[2] */
+    int64_t code_bytes;   /* bytes of one map's packed codes */
+    int64_t *row_blocks;  /* per row (d, h): index of its block row, (d / bd) * nb[1] + h / bh */
+    float *counts;        /* per block: the number of elements it covers */
+} geometry;
+
+static void free_geometry(geometry *g) {
+    free(g->row_blocks);
+    free(g->counts);
+}
+
+/* Fills g and its tables for maps of d x h x w coded with `bits`; returns 0, or -1 (tables
+ * freed) if they could not be allocated. */
+static int make_geometry(geometry *g, int64_t d, int64_t h, int64_t w, int64_t block, int bits) {
+    const int64_t size[3] = {d, h, w};
+    for (int k = 0; k < 3; k++) {
+        g->size[k] = size[k];
+        g->blk[k] = (block == 0 || block > size[k]) ? size[k] : block;
+        g->nb[k] = (size[k] + g->blk[k] - 1) / g->blk[k];
+    }
+    g->numel = d * h * w;
+    g->nblocks = g->nb[0] * g->nb[1] * g->nb[2];
+    g->code_bytes = (g->numel * bits + 7) / 8;
+    g->row_blocks = malloc((size_t)(d * h) * sizeof(int64_t));
+    g->counts = malloc((size_t)g->nblocks * sizeof(float));
+    if (!g->row_blocks || !g->counts) {
+        free_geometry(g);
+        return -1;
+    }
+    for (int64_t r = 0; r < d * h; r++)
+        g->row_blocks[r] = (r / h / g->blk[0]) * g->nb[1] + (r % h) / g->blk[1];
+    for (int64_t b = 0; b < g->nblocks; b++) {
+        /* (float)(cd * ch * cw) as the reference's float32 product of the three extents. */
+        int64_t rest = b;
+        float count = 1.0f;
+        for (int k = 2; k >= 0; k--) {
+            const int64_t start = (rest % g->nb[k]) * g->blk[k];
+            rest /= g->nb[k];
+            count *= (float)(start + g->blk[k] <= g->size[k] ? g->blk[k] : g->size[k] - start);
+        }
+        g->counts[b] = count;
+    }
+    return 0;
+}
+
+/* --- bfloat16, bit for bit as c10::BFloat16 ------------------------------------------------- */
+
+static inline float bf16_to_float(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t bf16_nearest(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* The next bf16 towards -inf (down) or +inf (up), as torch.nextafter does for finite values. */
+static inline uint16_t bf16_next(uint16_t b, int up) {
+    if ((b & 0x7FFF) == 0) return up ? 0x0001 : 0x8001;
+    int negative = (b & 0x8000) != 0;
+    return (uint16_t)(negative == up ? b - 1 : b + 1);
+}
+
+static inline uint16_t bf16_down(float v) {
+    uint16_t r = bf16_nearest(v);
+    return bf16_to_float(r) > v ? bf16_next(r, 0) : r;
+}
+
+static inline uint16_t bf16_up(float v) {
+    uint16_t r = bf16_nearest(v);
+    return bf16_to_float(r) < v ? bf16_next(r, 1) : r;
+}
+
+/* --- noise ---------------------------------------------------------------------------------- */
+
+static inline float splitmix_uniform(uint64_t seed, uint64_t index) {
+    uint64_t z = seed + (index + 1) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (float)(z >> 40) * 0x1p-24f;
+}
+
+/* --- vectors: GCC/Clang vector types, plain scalar code on a CPU without vector units ------- */
+
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+/* Lane-wise `mask ? a : b` (mask lanes all ones or all zeros, as vector comparisons give). */
+static inline f32x8 select(i32x8 mask, f32x8 a, f32x8 b) {
+    i32x8 ai, bi;
+    memcpy(&ai, &a, sizeof ai);
+    memcpy(&bi, &b, sizeof bi);
+    const i32x8 r = (mask & ai) | (~mask & bi);
+    f32x8 out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+
+/* --- encode: block means and residual ----------------------------------------------------- */
+
+/* Block means of map x into lfc (bf16) and means (their float values); colsum: scratch of W
+ * floats. Per block row, the column sums of its rows are kept in registers 8 columns at a time,
+ * then each block adds its columns. */
+static void block_means(const geometry *g, const float *x, float *colsum, uint16_t *lfc,
+                        float *means) {
+    const int64_t H = g->size[1], W = g->size[2];
+    for (int64_t db = 0; db < g->nb[0]; db++) {
+        const int64_t d0 = db * g->blk[0], d1 = d0 + g->blk[0] < g->size[0] ? d0 + g->blk[0]
+                                                                             : g->size[0];
+        for (int64_t hb = 0; hb < g->nb[1]; hb++) {
+            const int64_t h0 = hb * g->blk[1], h1 = h0 + g->blk[1] < H ? h0 + g->blk[1] : H;
+            int64_t w = 0;
+            for (; w + 8 <= W; w += 8) {
+                f32x8 acc = {0};
+                for (int64_t d = d0; d < d1; d++) {
+                    for (int64_t h = h0; h < h1; h++) {
+                        f32x8 v;
+                        memcpy(&v, x + (d * H + h) * W + w, sizeof v);
+                        acc += v;
+                    }
+                }
+                memcpy(colsum + w, &acc, sizeof acc);
+            }
+            for (; w < W; w++) {
+                float acc = 0.0f;
+                for (int64_t d = d0; d < d1; d++)
+                    for (int64_t h = h0; h < h1; h++) acc += x[(d * H + h) * W + w];
+                colsum[w] = acc;
+            }
+            for (int64_t j = 0; j < g->nb[2]; j++) {
+                const int64_t w0 = j * g->blk[2], w1 = w0 + g->blk[2] < W ? w0 + g->blk[2] : W;
+                float sum = 0.0f;
+                for (int64_t c = w0; c < w1; c++) sum += colsum[c];
+                const int64_t b = (db * g->nb[1] + hb) * g->nb[2] + j;
+                lfc[b] = bf16_nearest(sum / g->counts[b]);
+                means[b] = bf16_to_float(lfc[b]);
+            }
+        }
+    }
+}
+
+/* out[i] = x[i] + sign * (value of i's block) for sign = +1 or -1 (decode's base, encode's
+ * residual): a flat loop when the map is one block, else per row against that row's block
+ * values spread over its W columns (rebuilt when the block row changes; row: scratch of W). */
+static void add_block_values(const geometry *g, const float *x, const float *values, float sign,
+                             float *row, float *out) {
+    const int64_t W = g->size[2], rows = g->size[0] * g->size[1];
+    int64_t current = -1;
+    for (int64_t r = 0; r < rows; r++) {
+        if (g->nblocks == 1) {
+            if (current < 0)
+                for (int64_t w = 0; w < W; w++) row[w] = sign * values[0];
+        } else if (g->row_blocks[r] != current) {
+            const float *v = values + g->row_blocks[r] * g->nb[2];
+            for (int64_t j = 0, w = 0; j < g->nb[2]; j++)
+                for (int64_t k = 0; k < g->blk[2] && w < W; k++, w++) row[w] = sign * v[j];
+        }
+        current = g->nblocks == 1 ? 0 : g->row_blocks[r];
+        const float *xr = x + r * W;
+        float *o = out + r * W;
+        for (int64_t w = 0; w < W; w++) o[w] = xr[w] + row[w];
+    }
+}
+
+/* --- packing: code i of a row at bit (i % (8 / bits)) * bits of byte i / (8 / bits) ----------- */
+
+/* always_inline with a constant `bits`: the loops unroll and vectorise per width. */
+static inline __attribute__((always_inline)) void pack_fixed(const uint8_t *q, int64_t count,
+                                                             uint8_t *out, const int bits) {
+    const int per_byte = 8 / bits;
+    const int64_t whole = count / per_byte;
+    for (int64_t j = 0; j < whole; j++) {
+        unsigned acc = 0;
+        for (int k = 0; k < per_byte; k++) acc |= (unsigned)q[j * per_byte + k] << (k * bits);
+        out[j] = (uint8_t)acc;
+    }
+    if (whole * per_byte < count) {
+        unsigned acc = 0;
+        for (int k = 0; whole * per_byte + k < count; k++)
+            acc |= (unsigned)q[whole * per_byte + k] << (k * bits);
+        out[whole] = (uint8_t)acc;
+    }
+}
+
+static inline __attribute__((always_inline)) void unpack_fixed(const uint8_t *packed,
+                                                               int64_t count, uint8_t *q,
+                                                               const int bits) {
+    const int per_byte = 8 / bits;
+    const unsigned mask = (1u << bits) - 1u;
+    const int64_t whole = count / per_byte;
+    for (int64_t j = 0; j < whole; j++)
+        for (int k = 0; k < per_byte; k++)
+            q[j * per_byte + k] = (uint8_t)((packed[j] >> (k * bits)) & mask);
+    for (int64_t i = whole * per_byte; i < count; i++)
+        q[i] = (uint8_t)((packed[whole] >> ((i - whole * per_byte) * bits)) & mask);
+}
+
+static void pack_row(const uint8_t *q, int64_t count, uint8_t *out, int bits) {
+    switch (bits) {
+        case 1: pack_fixed(q, count, out, 1); break;
+        case 2: pack_fixed(q, count, out, 2); break;
+        case 4: pack_fixed(q, count, out, 4); break;
+        default: memcpy(out, q, (size_t)count);
+    }
+}
+
+static void unpack_row(const uint8_t *packed, int64_t count, uint8_t *q, int bits) {
+    switch (bits) {
+        case 1: unpack_fixed(packed, count, q, 1); break;
+        case 2: unpack_fixed(packed, count, q, 2); break;
+        case 4: unpack_fixed(packed, count, q, 4); break;
+        default: memcpy(q, packed, (size_t)count);
+    }
+}
+
+/* --- encode: quantise one map --------------------------------------------------------------- */
+
+static inline uint8_t quantize(float h, float u, float lo, float divisor, float qmax) {
+    float t = u + (h - lo) / divisor;
+    t = t > 0.0f ? t : 0.0f; /* NaN -> 0 */
+    t = t < qmax ? t : qmax;
+    return (uint8_t)(int)t; /* t >= 0: truncation is the floor */
+}
+
+/* h: the map's residual (numel floats); q: scratch of numel bytes. */
+static void quantize_map(const geometry *g, int bits, const float *h, const float *noise,
+                         uint64_t seed, uint64_t first, uint8_t *q, uint16_t *lo_out,
+                         uint16_t *step_out, uint8_t *codes) {
+    const int64_t n = g->numel;
+    /* 8 lanes of minima/maxima in GCC/Clang vector types (plain scalar code on a CPU without
+     * vectors); NaNs are skipped by the comparisons and counted apart: any NaN makes the map's
+     * min and max NaN, as torch.aminmax does. */
+    f32x8 lane_mn, lane_mx;
+    i32x8 lane_nan = {0};
+    for (int l = 0; l < 8; l++) lane_mn[l] = INFINITY, lane_mx[l] = -INFINITY;
+    const int64_t whole = n - n % 8;
+    for (int64_t i = 0; i < whole; i += 8) {
+        f32x8 v;
+        memcpy(&v, h + i, sizeof v);
+        lane_mn = select(v < lane_mn, v, lane_mn);
+        lane_mx = select(v > lane_mx, v, lane_mx);
+        lane_nan |= v != v;
+    }
+    float mn = INFINITY, mx = -INFINITY;
+    int nan = 0;
+    for (int l = 0; l < 8; l++) {
+        mn = lane_mn[l] < mn ? lane_mn[l] : mn;
+        mx = lane_mx[l] > mx ? lane_mx[l] : mx;
+        nan |= lane_nan[l];
+    }
+    for (int64_t i = whole; i < n; i++) {
+        mn = h[i] < mn ? h[i] : mn;
+        mx = h[i] > mx ? h[i] : mx;
+        nan |= h[i] != h[i];
+    }
+    if (nan) mn = mx = NAN;
+    const float qmax = (float)((1 << bits) - 1);
+    const uint16_t lo = bf16_down(mn);
+    const float lo_f = bf16_to_float(lo);
+    const uint16_t step = bf16_up((mx - lo_f) / qmax);
+    const float step_f = bf16_to_float(step);
+    const float divisor = step_f == 0.0f ? 1.0f : step_f;
+    *lo_out = lo;
+    *step_out = step;
+    if (noise) {
+        for (int64_t i = 0; i < n; i++) q[i] = quantize(h[i], noise[i], lo_f, divisor, qmax);
+    } else {
+        for (int64_t i = 0; i < n; i++)
+            q[i] = quantize(h[i], splitmix_uniform(seed, first + (uint64_t)i), lo_f, divisor, qmax);
+    }
+    pack_row(q, n, codes, bits);
+}
+
+/* Encode `maps` maps of x (float32, contiguous). lfc: bf16 (maps, nblocks) or NULL when
+ * block == 0; lo, step: bf16 (maps,); codes: uint8 (maps, ceil(numel * bits / 8)); noise:
+ * float32 like x, or NULL to draw from the seed. Returns 0, or -1 if scratch memory ran out. */
+int freqact_division_encode(int64_t maps, int64_t d, int64_t h, int64_t w, int64_t block, int bits,
+                            const float *x, const float *noise, uint64_t seed, uint16_t *lfc,
+                            uint16_t *lo, uint16_t *step, uint8_t *codes, int threads) {
+    geometry g;
+    if (make_geometry(&g, d, h, w, block, bits) != 0) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *means = malloc((size_t)g.nblocks * sizeof(float));
+        float *colsum = malloc((size_t)g.size[2] * sizeof(float));
+        float *residual = malloc((size_t)g.numel * sizeof(float));
+        uint8_t *q = malloc((size_t)g.numel);
+        float *row = malloc((size_t)g.size[2] * sizeof(float));
+        if (!means || !colsum || !residual || !q || !row) {
+            failed = 1;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < maps; m++) {
+                const float *xm = x + m * g.numel;
+                if (block) {
+                    block_means(&g, xm, colsum, lfc + m * g.nblocks, means);
+                    add_block_values(&g, xm, means, -1.0f, row, residual);
+                }
+                quantize_map(&g, bits, block ? residual : xm, noise ? noise + m * g.numel : NULL,
+                             seed, (uint64_t)(m * g.numel), q, lo + m, step + m,
+                             codes + m * g.code_bytes);
+            }
+        }
+        free(means);
+        free(colsum);
+        free(residual);
+        free(q);
+        free(row);
+    }
+    free_geometry(&g);
+    return failed ? -1 : 0;
+}
+
+/* --- decode --------------------------------------------------------------------------------- */
+
+/* out = q * step + (float(lfc) + lo) per element, float32 (maps, numel). lfc NULL: block == 0.
+ * Returns 0, or -1 if scratch memory ran out. */
+int freqact_division_decode(int64_t maps, int64_t d, int64_t h, int64_t w, int64_t block,
+                            int bits, const uint16_t *lfc, const uint16_t *lo,
+                            const uint16_t *step, const uint8_t *codes, float *out, int threads) {
+    geometry g;
+    if (make_geometry(&g, d, h, w, block, bits) != 0) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *base = malloc((size_t)g.nblocks * sizeof(float));
+        uint8_t *q = malloc((size_t)g.numel);
+        float *scaled = malloc((size_t)g.numel * sizeof(float));
+        float *row = malloc((size_t)g.size[2] * sizeof(float));
+        if (!base || !q || !scaled || !row) {
+            failed = 1;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < maps; m++) {
+                const float lo_f = bf16_to_float(lo[m]), step_f = bf16_to_float(step[m]);
+                for (int64_t b = 0; b < g.nblocks; b++)
+                    base[b] = lfc ? bf16_to_float(lfc[m * g.nblocks + b]) + lo_f : lo_f;
+                unpack_row(codes + m * g.code_bytes, g.numel, q, bits);
+                for (int64_t i = 0; i < g.numel; i++) scaled[i] = (float)q[i] * step_f;
+                add_block_values(&g, scaled, base, 1.0f, row, out + m * g.numel);
+            }
+        }
+        free(base);
+        free(q);
+        free(scaled);
+        free(row);
+    }
+    free_geometry(&g);
+    return failed ? -1 : 0;
+}
+
+/* --- packing of whole tensors --------------------------------------------------------------- */
+
+/* Rows are cut into chunks of CHUNK codes (a multiple of 8, so chunks start on whole bytes) that
+ * threads share, so that one long row (a flattened 1-bit mask) is packed in parallel too. */
+#define CHUNK 65536
+
+/* codes (rows, count) uint8 < 2^bits -> out (rows, ceil(count * bits / 8)). */
+void freqact_pack_codes(int64_t rows, int64_t count, int bits, const uint8_t *codes, uint8_t *out,
+                        int threads) {
+    const int64_t row_bytes = (count * bits + 7) / 8, chunks = (count + CHUNK - 1) / CHUNK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < rows * chunks; t++) {
+        const int64_t r = t / chunks, first = (t % chunks) * CHUNK;
+        const int64_t n = count - first < CHUNK ? count - first : CHUNK;
+        pack_row(codes + r * count + first, n, out + r * row_bytes + first * bits / 8, bits);
+    }
+}
+
+/* Inverse of freqact_pack_codes: packed (rows, ceil(count * bits / 8)) -> out (rows, count). */
+void freqact_unpack_codes(int64_t rows, int64_t count, int bits, const uint8_t *packed,
+                          uint8_t *out, int threads) {
+    const int64_t row_bytes = (count * bits + 7) / 8, chunks = (count + CHUNK - 1) / CHUNK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < rows * chunks; t++) {
+        const int64_t r = t / chunks, first = (t % chunks) * CHUNK;
+        const int64_t n = count - first < CHUNK ? count - first : CHUNK;
+        unpack_row(packed + r * row_bytes + first * bits / 8, n, out + r * count + first, bits);
+    }
+}
+
+/* --- 1-bit masks of float tensors ------------------------------------------------------------ */
+
+/* Elements per task: its bytes of bits stay in L1 between the compare and the packing. */
+#define MASK_CHUNK 4096
+
+/* Bit i (bit i % 8 of byte i / 8) = lower < x[i] (and x[i] < upper when bounded), n elements. */
+void freqact_pack_mask(int64_t n, const float *x, float lower, int bounded, float upper,
+                       uint8_t *out, int threads) {
+    const int64_t chunks = (n + MASK_CHUNK - 1) / MASK_CHUNK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t first = c * MASK_CHUNK, count = n - first < MASK_CHUNK ? n - first : MASK_CHUNK;
+        uint8_t bits[MASK_CHUNK];
+        const float *xc = x + first;
+        if (bounded) {
+            for (int64_t i = 0; i < count; i++) bits[i] = (xc[i] > lower) & (xc[i] < upper);
+        } else {
+            for (int64_t i = 0; i < count; i++) bits[i] = xc[i] > lower;
+        }
+        pack_row(bits, count, out + first / 8, 1);
+    }
+}
+
+/* out[i] = bit i ? on : off, float32, n elements. */
+void freqact_unpack_mask(int64_t n, const uint8_t *packed, float off, float on, float *out,
+                         int threads) {
+    const int64_t chunks = (n + MASK_CHUNK - 1) / MASK_CHUNK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t first = c * MASK_CHUNK, count = n - first < MASK_CHUNK ? n - first : MASK_CHUNK;
+        uint8_t bits[MASK_CHUNK];
+        unpack_row(packed + first / 8, count, bits, 1);
+        float *oc = out + first;
+        for (int64_t i = 0; i < count; i++) oc[i] = bits[i] ? on : off;
+    }
+}
+

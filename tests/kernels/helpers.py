@@ -1,0 +1,66 @@
+"""Shared by the kernel tests: byte comparison of packed forms, dyadic data, and the statistics
+of stochastic rounding."""
+from __future__ import annotations
+
+import torch
+
+from freqact.kernels import reference as R
+
+
+FIELDS = ("lfc", "lo", "step", "codes")
+
+
+def bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """t's raw bytes as an integer tensor (bf16 viewed as uint8), on the CPU, for torch.equal."""
+    return (t.view(torch.uint8) if t.dtype == torch.bfloat16 else t).cpu()
+
+
+def assert_same_bytes(got, want, fields=FIELDS) -> None:
+    """Assert two DivisionPacked hold the same tensors, byte for byte, in the given fields."""
+    for name in fields:
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert torch.equal(bytes_of(a), bytes_of(b)), name
+    assert got.nbytes == want.nbytes
+
+
+def dyadic(shape, dtype, gen, device="cpu") -> torch.Tensor:
+    """Gaussian values on a 2**-8 grid: every block sum is exact in float32 whatever the
+    summation order, so byte equality with the reference is a strict requirement."""
+    return torch.randn(shape, generator=gen).mul_(256).round_().div_(256).to(device, dtype)
+
+
+def _roundings(x: torch.Tensor, packed) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per element (N * C, P): the fraction f of a step above the lower level, and whether the
+    element was rounded up (probability f under stochastic rounding), in float64."""
+    means = R.division_decode(R.DivisionPacked(packed.lfc, None, None, None, x.shape, x.dtype,
+                                               packed.block, None)).double()
+    lo = packed.lo.double()[..., None, None]
+    step = packed.step.double()[..., None, None]
+    t = (x.double() - means - lo) / step
+    f = t - t.floor()
+    up = (R.division_decode(packed).double() - x.double()) / step > 0
+    return f.flatten(1).cpu(), up.flatten(1).double().cpu()
+
+
+def assert_stochastic_rounding(x: torch.Tensor, packed) -> None:
+    """Assert (4 sigma bounds) that packed = division_encode(x) rounded every residual up with
+    probability equal to its fraction of a step: the error's mean and variance are those of
+    stochastic rounding, and neighbouring elements (which may share one generator call) round
+    independently.
+
+    Args:
+        x: float32 maps (N, C, H, W).
+        packed: a full DivisionPacked of x.
+    """
+    f, up = _roundings(x, packed)
+    var = f * (1 - f)
+    err = up - f  # the rounding error in steps
+    assert err.sum().abs() <= 4 * var.sum().sqrt()
+    var_of_sq = f * (1 - f) ** 4 + (1 - f) * f**4 - var**2
+    assert (err.pow(2).sum() - var.sum()).abs() <= 4 * var_of_sq.sum().sqrt()
+    for lag in (1, 2, 3):  # disjoint pairs (i, i + lag)
+        i = torch.arange(f.shape[1] - lag)
+        i = i[(i // lag) % 2 == 0]
+        p = f[:, i] * f[:, i + lag]
+        assert (up[:, i] * up[:, i + lag] - p).sum().abs() <= 4 * (p * (1 - p)).sum().sqrt()

@@ -1,0 +1,177 @@
+"""Both fused backends against the torch reference: the Triton kernels and the C kernels.
+
+Given the same uniforms they must produce the reference's bytes: on dyadic data (every block sum
+exact in any order) exactly; on general float32 data up to rare bf16 ties of the block means.
+Their own noise must round stochastically, reproducibly under torch.manual_seed.
+
+Without a GPU the Triton kernels run in Triton's interpreter on the CPU (TRITON_INTERPRET=1, set
+here before triton is first imported); with CUDA they run natively on the device. The interpreter
+is slow, so the shapes stay tiny (a few programs each).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # triton.jit reads this when a kernel is decorated, i.e. when triton_division is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import freqact.kernels as K  # noqa: E402
+from freqact.kernels import cpu  # noqa: E402
+from freqact.kernels import reference as R  # noqa: E402
+from tests.kernels.helpers import (  # noqa: E402
+    FIELDS,
+    assert_same_bytes,
+    assert_stochastic_rounding,
+    dyadic,
+)
+
+CUDA = torch.cuda.is_available()
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BITS = [1, 2, 4, 8]
+# Odd sizes, a 1x1 map, H < B <= W, whole blocks, 1D (N, C, L), Linear input (N, F), 3D.
+SHAPES = [(2, 3, 7, 9), (1, 1, 1, 1), (2, 2, 5, 16), (2, 3, 16, 16), (2, 3, 11), (2, 13),
+          (1, 2, 3, 9, 10), (3, 5, 17, 8)]
+
+_triton_skip = None
+if not K._triton_importable():
+    _triton_skip = "triton is not importable"
+elif not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    _triton_skip = "no CUDA and TRITON_INTERPRET was set to something else"
+
+BACKENDS = [
+    pytest.param("cpu", marks=pytest.mark.skipif(
+        not cpu.available(), reason=f"C kernels unavailable: {cpu.unavailable_reason()}")),
+    pytest.param("triton", marks=[pytest.mark.triton,
+                                  pytest.mark.skipif(_triton_skip is not None,
+                                                     reason=_triton_skip or "")]),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    return request.param
+
+
+def _device(backend: str) -> str:
+    return "cuda" if backend == "triton" and CUDA else "cpu"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_same_bytes_as_reference_and_cross_decode(backend, shape, bits, dtype):
+    device = _device(backend)
+    gen = torch.Generator().manual_seed(hash((shape, bits)) % 2**31)
+    x = dyadic(shape, dtype, gen, device)
+    noise = torch.rand(shape, generator=gen).to(device)
+    got = K.division_encode(x, 8, bits, noise, backend=backend)
+    want = R.division_encode(x, 8, bits, noise)
+    assert_same_bytes(got, want)
+    # Each backend decodes the other's form to the reference's own result, bit for bit.
+    x_hat = R.division_decode(want)
+    for out in (K.division_decode(want, backend=backend), R.division_decode(got)):
+        assert out.dtype == dtype and out.shape == x.shape and out.is_contiguous()
+        assert torch.equal(out, x_hat)
+
+
+def test_gaussian_means_match_up_to_summation_order_ties(backend):
+    # Raw float32 data: block sums may round differently (another summation order), which can
+    # flip a bf16 rounding of the mean when it sits on a rounding boundary (rare). Tolerated: at
+    # most 1 % of blocks off by one bf16 ulp; maps whose lfc, lo and step all agree must have
+    # identical codes.
+    device = _device(backend)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 20, 23, generator=gen).to(device)
+    noise = torch.rand(x.shape, generator=gen).to(device)
+    got = K.division_encode(x, 4, 2, noise, backend=backend)
+    want = R.division_encode(x, 4, 2, noise)
+    ulps = (got.lfc.view(torch.int16).int() - want.lfc.view(torch.int16).int()).abs()
+    assert ulps.max() <= 1 and (ulps > 0).float().mean() <= 0.01
+    same = ((ulps.flatten(2).amax(-1) == 0) & (got.lo.view(torch.int16) == want.lo.view(torch.int16))
+            & (got.step.view(torch.int16) == want.step.view(torch.int16)))
+    assert same.float().mean() >= 0.75
+    assert torch.equal(got.codes[same], want.codes[same])
+
+
+@pytest.mark.parametrize("block", [1, 3, 16])
+@pytest.mark.parametrize("shape", [(2, 3, 7, 9), (1, 2, 3, 9, 10), (2, 3, 11)], ids=str)
+def test_other_block_sizes(backend, block, shape):
+    device = _device(backend)
+    gen = torch.Generator().manual_seed(block)
+    x = dyadic(shape, torch.float32, gen, device)
+    noise = torch.rand(x.shape, generator=gen).to(device)
+    got = K.division_encode(x, block, 2, noise, backend=backend)
+    assert_same_bytes(got, R.division_encode(x, block, 2, noise))
+    assert torch.equal(K.division_decode(got, backend=backend), R.division_decode(got))
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "strided", "3d_blocks"])
+def test_non_contiguous_inputs(backend, layout):
+    device = _device(backend)
+    gen = torch.Generator().manual_seed(2)
+    if layout == "channels_last":
+        x = dyadic((2, 3, 9, 10), torch.float32, gen, device).to(
+            memory_format=torch.channels_last)
+    elif layout == "strided":
+        x = dyadic((2, 3, 9, 20), torch.float16, gen, device)[..., ::2].transpose(2, 3)
+    else:
+        x = dyadic((1, 2, 5, 6, 7), torch.bfloat16, gen, device)[:, :, 1:]
+    noise = torch.rand(x.shape[::-1], generator=gen).to(device).permute(
+        *range(x.dim() - 1, -1, -1))
+    got = K.division_encode(x, 2, 4, noise, backend=backend)
+    assert_same_bytes(got, R.division_encode(x, 2, 4, noise))
+
+
+@pytest.mark.parametrize("rng", ["backend", pytest.param("torch", id="reference")])
+def test_stochastic_rounding_unbiased_and_independent(backend, rng):
+    # 30 maps of 12x16 (several to a Triton program); one 40x48 map (loops in a program).
+    gen = torch.Generator().manual_seed(3)
+    for shape in [(6, 5, 12, 16), (1, 1, 40, 48)]:
+        x = torch.randn(shape, generator=gen).to(_device(backend))
+        torch.manual_seed(0)
+        packed = K.division_encode(x, 8, 2, backend=backend if rng == "backend" else "torch")
+        assert_stochastic_rounding(x, packed)
+
+
+def test_identical_maps_get_independent_noise(backend):
+    x = torch.randn(1, 1, 7, 9, generator=torch.Generator().manual_seed(7)).to(_device(backend))
+    codes = K.division_encode(x.expand(16, 3, 7, 9), 8, 2, backend=backend).codes.flatten(0, 1)
+    assert len({bytes(row.tolist()) for row in codes}) > 40
+
+
+def test_seed_reproducible_and_calls_differ(backend):
+    x = torch.randn(1, 2, 12, 12, generator=torch.Generator().manual_seed(4)).to(_device(backend))
+    torch.manual_seed(5)
+    first = K.division_encode(x, backend=backend)
+    second = K.division_encode(x, backend=backend)
+    torch.manual_seed(5)
+    again = K.division_encode(x, backend=backend)
+    assert_same_bytes(first, again)
+    assert not torch.equal(first.codes, second.codes)
+
+
+def test_no_autograd_link_to_the_input(backend):
+    x = torch.randn(2, 3, 5, 5, device=_device(backend), requires_grad=True)
+    packed = K.division_encode(x, backend=backend)
+    assert not any(getattr(packed, n).requires_grad for n in FIELDS)
+    assert not K.division_decode(packed, backend=backend).requires_grad
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf - inf
+def test_constant_zero_and_nonfinite_maps(backend):
+    x = torch.randn(3, 2, 6, 5, generator=torch.Generator().manual_seed(6)).to(_device(backend))
+    x[0, 0] = 1.5  # constant: step 0, codes 0, decoded exactly
+    x[0, 1] = 0.0
+    x[1, 0, 2, 3] = float("nan")
+    x[1, 1, 0, 0] = float("inf")
+    packed = K.division_encode(x, 4, 2, backend=backend)
+    assert packed.step[0].eq(0).all() and packed.codes[0].eq(0).all()
+    assert packed.lo[1].float().isnan().all() and packed.step[1].float().isnan().all()
+    for out in (K.division_decode(packed, backend=backend), R.division_decode(packed)):
+        assert torch.equal(out[0], x[0])
+        assert out[1].isnan().all()
+        assert out[2].isfinite().all()
