@@ -4,10 +4,11 @@
 over each map's data, and packs/unpacks Q-bit codes; the torch reference stays the
 specification (see the C file's header for what may differ: the order of block sums).
 
-Build: the first call compiles the C file with the system compiler (`$CC`, else `cc`) into a
-shared library cached under `$FREQACT_CACHE` (default `~/.cache/freqact`), named by a hash of the
-source, compiler, flags and CPU (model name and instruction-set flags), and written to a temporary
-name then renamed, so concurrent processes (DDP ranks, pytest workers) never load a half-written file. It is loaded
+Build: the first call compiles the C file with the system compiler (`$CC`, else `cc`; with
+OpenMP, or single-threaded where the compiler has none) into a shared library cached under
+`$FREQACT_CACHE` (default `~/.cache/freqact`), named by a hash of the source, compiler, flags and
+CPU (model name and instruction-set flags), and written to a temporary name then renamed, so
+concurrent processes (DDP ranks, pytest workers) never load a half-written file. It is loaded
 with ctypes and given tensors by data pointer; OpenMP threads follow `torch.get_num_threads()`.
 When no compiler works, `available()` is False, `unavailable_reason()` says why, and the
 dispatch in `freqact.kernels` falls back to the reference.
@@ -73,15 +74,20 @@ def library_path() -> Path:
 
 
 def _build(target: Path) -> None:
+    """Compile SOURCE to target; without -fopenmp if the compiler refuses it (single-threaded)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [*_compiler(), *CFLAGS, str(SOURCE), "-o", tmp]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise OSError(f"{shlex.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
+        errors = []
+        for flags in (CFLAGS, tuple(f for f in CFLAGS if f != "-fopenmp")):
+            cmd = [*_compiler(), *flags, str(SOURCE), "-o", tmp]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode == 0:
+                os.replace(tmp, target)
+                return
+            errors.append(f"{shlex.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+        raise OSError(errors[0])
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -95,3 +95,21 @@ def test_library_is_cached_by_content_and_built_atomically(monkeypatch, tmp_path
     assert hasattr(ctypes.CDLL(str(path)), "freqact_division_encode")
     monkeypatch.setenv("CC", "cc -DFREQACT_OTHER_FLAGS")
     assert cpu.library_path() != path  # another compiler command: another file
+
+
+def test_a_compiler_without_openmp_still_builds_single_threaded(monkeypatch, tmp_path):
+    fake = tmp_path / "cc-without-openmp"
+    fake.write_text('#!/bin/sh\ncase "$*" in *-fopenmp*) echo "no OpenMP here" >&2; exit 1;; '
+                    'esac\nexec cc "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setenv("FREQACT_CACHE", str(tmp_path / "cache"))
+    cpu._library.cache_clear()
+    try:
+        assert cpu.available(), cpu.unavailable_reason()
+        x = dyadic((2, 3, 9, 10), torch.float32, torch.Generator().manual_seed(9))
+        noise = torch.rand(x.shape)
+        assert_same_bytes(K.division_encode(x, 4, 2, noise, backend="cpu"),
+                          R.division_encode(x, 4, 2, noise))
+    finally:
+        cpu._library.cache_clear()
