@@ -17,9 +17,10 @@
  *   3. lo = bf16 rounded down from min, step = bf16 rounded up from (max - lo) / (2^Q - 1),
  *      codes = clamp(floor(u + (h - lo) / step), 0, 2^Q - 1) (step 0 divides by 1), packed
  *      8 / Q per byte, code i at bit (i % (8 / Q)) * Q of byte i / (8 / Q).
- * u comes from `noise` when given, else u = top 24 bits of SplitMix64 (Steele, Lea and Flood
- * 2014) at state seed + (g + 1) * golden gamma, g the element's index in the whole tensor: a
- * counter-based stream, so the bytes depend on the seed alone, not on the thread count.
+ * u comes from `noise` when given, else from SplitMix64 (Steele, Lea and Flood 2014) used as a
+ * counter-based generator: element g of the whole tensor takes 24 bits of the draw at state
+ * seed + (g / 2 + 1) * golden gamma (bits 40-63 for even g, 16-39 for odd g), so the bytes depend
+ * on the seed alone, not on the thread count.
  *
  * Built with -ffp-contract=off and without -ffast-math: every float operation rounds as the
  * reference's torch operations do. Loops are written so that the compiler vectorises them
@@ -115,12 +116,33 @@ static inline uint16_t bf16_up(float v) {
 
 /* --- noise ---------------------------------------------------------------------------------- */
 
-static inline float splitmix_uniform(uint64_t seed, uint64_t index) {
-    uint64_t z = seed + (index + 1) * 0x9E3779B97F4A7C15ull;
+/* SplitMix64's output for state seed + (k + 1) * golden gamma: its k-th draw after `seed`. */
+static inline uint64_t splitmix(uint64_t seed, uint64_t k) {
+    uint64_t z = seed + (k + 1) * 0x9E3779B97F4A7C15ull;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    return (float)(z >> 40) * 0x1p-24f;
+    return z ^ (z >> 31);
+}
+
+/* The uniform of element g: two per draw, draw g / 2 giving bits 40-63 to even g and bits 16-39
+ * to odd g, each scaled to [0, 1) by 2^-24. */
+static inline float uniform_of(uint64_t z, uint64_t g) {
+    return (float)((g & 1) ? (z >> 16) & 0xFFFFFF : z >> 40) * 0x1p-24f;
+}
+
+/* u[i] = the uniform of element first + i, for i < n (a pair per draw in the main loop). */
+static void splitmix_uniforms(uint64_t seed, uint64_t first, int64_t n, float *u) {
+    int64_t i = 0;
+    if (n > 0 && (first & 1)) {
+        u[0] = uniform_of(splitmix(seed, first >> 1), first);
+        i = 1;
+    }
+    for (; i + 1 < n; i += 2) {
+        const uint64_t z = splitmix(seed, (first + (uint64_t)i) >> 1);
+        u[i] = (float)(z >> 40) * 0x1p-24f;
+        u[i + 1] = (float)((z >> 16) & 0xFFFFFF) * 0x1p-24f;
+    }
+    if (i < n) u[i] = uniform_of(splitmix(seed, (first + (uint64_t)i) >> 1), first + (uint64_t)i);
 }
 
 /* --- vectors: GCC/Clang vector types, plain scalar code on a CPU without vector units ------- */
@@ -266,10 +288,9 @@ static inline uint8_t quantize(float h, float u, float lo, float divisor, float 
     return (uint8_t)(int)t; /* t >= 0: truncation is the floor */
 }
 
-/* h: the map's residual (numel floats); q: scratch of numel bytes. */
-static void quantize_map(const geometry *g, int bits, const float *h, const float *noise,
-                         uint64_t seed, uint64_t first, uint8_t *q, uint16_t *lo_out,
-                         uint16_t *step_out, uint8_t *codes) {
+/* h: the map's residual (numel floats); u: its uniforms; q: scratch of numel bytes. */
+static void quantize_map(const geometry *g, int bits, const float *h, const float *u, uint8_t *q,
+                         uint16_t *lo_out, uint16_t *step_out, uint8_t *codes) {
     const int64_t n = g->numel;
     /* 8 lanes of minima/maxima in GCC/Clang vector types (plain scalar code on a CPU without
      * vectors); NaNs are skipped by the comparisons and counted apart: any NaN makes the map's
@@ -306,12 +327,7 @@ static void quantize_map(const geometry *g, int bits, const float *h, const floa
     const float divisor = step_f == 0.0f ? 1.0f : step_f;
     *lo_out = lo;
     *step_out = step;
-    if (noise) {
-        for (int64_t i = 0; i < n; i++) q[i] = quantize(h[i], noise[i], lo_f, divisor, qmax);
-    } else {
-        for (int64_t i = 0; i < n; i++)
-            q[i] = quantize(h[i], splitmix_uniform(seed, first + (uint64_t)i), lo_f, divisor, qmax);
-    }
+    for (int64_t i = 0; i < n; i++) q[i] = quantize(h[i], u[i], lo_f, divisor, qmax);
     pack_row(q, n, codes, bits);
 }
 
@@ -331,7 +347,8 @@ int freqact_division_encode(int64_t maps, int64_t d, int64_t h, int64_t w, int64
         float *residual = malloc((size_t)g.numel * sizeof(float));
         uint8_t *q = malloc((size_t)g.numel);
         float *row = malloc((size_t)g.size[2] * sizeof(float));
-        if (!means || !colsum || !residual || !q || !row) {
+        float *uniforms = noise ? NULL : malloc((size_t)g.numel * sizeof(float));
+        if (!means || !colsum || !residual || !q || !row || (!noise && !uniforms)) {
             failed = 1;
         } else {
 #pragma omp for schedule(static)
@@ -341,8 +358,9 @@ int freqact_division_encode(int64_t maps, int64_t d, int64_t h, int64_t w, int64
                     block_means(&g, xm, colsum, lfc + m * g.nblocks, means);
                     add_block_values(&g, xm, means, -1.0f, row, residual);
                 }
-                quantize_map(&g, bits, block ? residual : xm, noise ? noise + m * g.numel : NULL,
-                             seed, (uint64_t)(m * g.numel), q, lo + m, step + m,
+                if (!noise) splitmix_uniforms(seed, (uint64_t)(m * g.numel), g.numel, uniforms);
+                quantize_map(&g, bits, block ? residual : xm,
+                             noise ? noise + m * g.numel : uniforms, q, lo + m, step + m,
                              codes + m * g.code_bytes);
             }
         }
@@ -351,6 +369,7 @@ int freqact_division_encode(int64_t maps, int64_t d, int64_t h, int64_t w, int64
         free(residual);
         free(q);
         free(row);
+        free(uniforms);
     }
     free_geometry(&g);
     return failed ? -1 : 0;

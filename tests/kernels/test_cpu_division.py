@@ -113,3 +113,29 @@ def test_a_compiler_without_openmp_still_builds_single_threaded(monkeypatch, tmp
                           R.division_encode(x, 4, 2, noise))
     finally:
         cpu._library.cache_clear()
+
+
+def _splitmix_uniforms(seed: int, count: int) -> torch.Tensor:
+    """The documented noise of the C kernels, written independently in Python integers: element g
+    takes bits 40-63 (even g) or 16-39 (odd g) of SplitMix64's draw at seed + (g // 2 + 1) * gamma,
+    times 2**-24."""
+    mask = 2**64 - 1
+    out = []
+    for g in range(count):
+        z = (seed + (g // 2 + 1) * 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z ^= z >> 31
+        out.append(((z >> 16) & 0xFFFFFF if g % 2 else z >> 40) * 2.0**-24)
+    return torch.tensor(out, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 7, 9), (3, 1, 5)], ids=str)  # odd maps: pairs straddle
+def test_own_noise_is_the_documented_splitmix_stream(shape):
+    seed = 0x0123456789ABCDEF
+    x = dyadic(shape, torch.float32, torch.Generator().manual_seed(10))
+    noise = _splitmix_uniforms(seed, x.numel()).reshape(shape)
+    lfc, lo, step, codes = cpu.division_encode(x, 4, 2, None, seed)
+    want = R.division_encode(x, 4, 2, noise)
+    got = R.DivisionPacked(lfc, lo, step, codes, x.shape, x.dtype, 4, 2)
+    assert_same_bytes(got, want)
