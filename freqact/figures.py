@@ -3,13 +3,13 @@
     results = make_all(["runs/normal", "runs/lfc", "runs/hfc", "runs/division"], "figures")
 
 `freqact figures RUN...` and `freqact demo` both call `make_all`, so the demo's figures and the
-published ones come from one path. From the run directories (`config.json`, `metrics.csv`,
+published ones come from one path. From the run directories (`config.json`, `metrics.jsonl`,
 `ckpt/epoch-*.pt`, `ckpt/last.pt`) it computes and writes, each as a table (CSV) and a figure
 (PNG + PDF) in `out`:
 
 - `lambdas`: λ^L and λ^H per block output across the epoch checkpoints of the analysis run
   (`analysis.lambdas.from_checkpoints`; the paper's Fig. 4).
-- `training`: test accuracy and training loss per epoch of every run (`metrics.csv`) and the
+- `training`: test accuracy and training loss per epoch of every run (`metrics.jsonl`) and the
   activation memory each run's mode caches for one training batch (the paper's Fig. 3 b, c:
   LFC-ACT vs HFC-ACT vs normal, with DIVISION beside them).
 - `theorem31`: measured weight-gradient errors of LFC/HFC caching against the Theorem 3.1 bounds,
@@ -28,9 +28,7 @@ analyses are of normal training), else the first run.
 """
 from __future__ import annotations
 
-import csv
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Callable, Sequence
@@ -80,35 +78,10 @@ class Figure:
     rows: list[dict]
 
 
-def run_config(run_dir: str | os.PathLike) -> dict:
-    """The stored run config (`RUN/config.json`) of a run directory.
-
-    Raises:
-        FileNotFoundError: if `run_dir` holds no config.json.
-    """
-    path = Path(run_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"run_dirs: {run_dir} is not a run directory (no config.json)")
-    return json.loads(path.read_text())
-
-
 def run_label(config: dict) -> str:
     """A short label of a run's mode and codec settings, e.g. "division (block=8, bits=2)"."""
     settings = ", ".join(f"{k}={v}" for k, v in _codec_params(config).items())
     return f"{config['mode']} ({settings})" if settings else config["mode"]
-
-
-def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    """`RUN/metrics.csv` as a list of dicts: numbers as int/float, empty cells as None.
-
-    Raises:
-        FileNotFoundError: if the run has no metrics.csv (it has not finished an epoch).
-    """
-    path = Path(run_dir) / "metrics.csv"
-    if not path.is_file():
-        raise FileNotFoundError(f"run_dirs: {run_dir} has no metrics.csv (no finished epoch)")
-    with open(path, newline="") as f:
-        return [{key: _number(value) for key, value in row.items()} for row in csv.DictReader(f)]
 
 
 def layer_memory(path: str | os.PathLike, *, images: int | None = None,
@@ -184,13 +157,13 @@ def make_all(
 
     Raises:
         ValueError: if `run_dirs` is empty or `analysis_run` is not one of them.
-        FileNotFoundError: if a run directory lacks config.json, metrics.csv or checkpoints.
+        FileNotFoundError: if a run directory lacks config.json, metrics.jsonl or checkpoints.
     """
     if isinstance(run_dirs, (str, os.PathLike)) or not run_dirs:
         raise ValueError(f"run_dirs: expected a non-empty list of run directories, got {run_dirs!r}")
     _validate.unit_ratio("ratio", ratio)
     runs = [Path(r) for r in run_dirs]
-    configs = [run_config(r) for r in runs]
+    configs = [train.read_config(r) for r in runs]
     labels = _unique_labels([run_label(c) for c in configs], runs)
     main_run = _analysis_run(runs, configs, analysis_run)
     out = Path(out)
@@ -205,7 +178,8 @@ def make_all(
     say("memory: bytes cached per layer, one training batch per run")
     memory = [{"run": label, **row} for label, path in zip(labels, map(_last_checkpoint, runs))
               for row in layer_memory(path, images=memory_images, data_dir=data_dir, device=device)]
-    metrics = [{"run": label, **row} for label, r in zip(labels, runs) for row in read_metrics(r)]
+    metrics = [{"run": label, **row}
+               for label, r in zip(labels, runs) for row in train.read_metrics(r)]
     totals = memory_totals(memory)
     made["training"] = _figure(
         "training", out, metrics, lambda rows, stem: plots.training_figure(rows, stem, memory=totals))
@@ -279,13 +253,3 @@ def _unique_labels(labels: list[str], runs: list[Path]) -> list[str]:
     """Labels, with the run directory's name appended where two runs share one."""
     return [f"{label} [{run.name}]" if labels.count(label) > 1 else label
             for label, run in zip(labels, runs)]
-
-
-def _number(text: str) -> int | float | None:
-    """A CSV cell as int or float; empty cells (values a mode does not have) as None."""
-    if text == "":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)

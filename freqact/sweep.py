@@ -219,7 +219,7 @@ def run_state(run: Run) -> str:
     """
     stored = run.run_dir / "config.json"
     if stored.is_file():
-        saved = _read_json(stored)
+        saved = train.read_config(run.run_dir)
         diffs = [f"{key}: {saved.get(key)!r} -> {value!r}"
                  for key, value in dataclasses.asdict(run.config).items()
                  if key not in train.RESUMABLE_CHANGES and saved.get(key) != value]
@@ -232,25 +232,11 @@ def run_state(run: Run) -> str:
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    """The per-epoch rows of `RUN/metrics.jsonl` ([] when absent)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return _read_json(path, lines=True)
-
-
-def _read_json(path: Path, *, lines: bool = False) -> object:
-    """The JSON value of a run file, or with `lines` the list of its JSON lines.
-
-    Data only: the file is never evaluated or unpickled. Errors name the file.
-    """
+    """The per-epoch rows of a run (`train.read_metrics`), [] when it has not finished an epoch."""
     try:
-        text = path.read_text(encoding="utf-8")
-        if lines:
-            return [json.loads(line) for line in text.splitlines() if line]
-        return json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: not valid JSON ({err}); delete or repair the file") from None
+        return train.read_metrics(run_dir)
+    except FileNotFoundError:
+        return []
 
 
 def _finished(metrics: list[dict], config: train.RunConfig) -> bool:

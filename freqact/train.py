@@ -40,6 +40,7 @@ import csv
 import dataclasses
 import io
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -409,6 +410,47 @@ def _write_metrics(run_dir: Path, metrics: list[dict]) -> None:
     checkpoint.atomic_write(run_dir / "metrics.csv", table.getvalue().encode())
     lines = "".join(json.dumps(row) + "\n" for row in metrics)
     checkpoint.atomic_write(run_dir / "metrics.jsonl", lines.encode())
+
+
+def read_config(run_dir: str | os.PathLike) -> dict:
+    """The stored settings of a run (`RUN/config.json`), as written by `train`.
+
+    Raises:
+        FileNotFoundError: if run_dir holds no config.json (it is not a run directory).
+        ValueError: if the file is not valid JSON (the message names it).
+    """
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.json)")
+    return _read_json(path)
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    """The per-epoch rows of a run (`RUN/metrics.jsonl`), values as written (None where a mode
+    has no value); metrics.csv holds the same rows for spreadsheets.
+
+    Raises:
+        FileNotFoundError: if the run has no metrics.jsonl (it has not finished an epoch).
+        ValueError: if the file is not valid JSON lines (the message names it).
+    """
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} has no metrics.jsonl (no finished epoch)")
+    return _read_json(path, lines=True)
+
+
+def _read_json(path: Path, *, lines: bool = False):
+    """The JSON value of a run file, or with `lines` the list of its JSON lines.
+
+    Data only: the file is never evaluated or unpickled. Errors name the file.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+        if lines:
+            return [json.loads(line) for line in text.splitlines() if line]
+        return json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err}); delete or repair the file") from None
 
 
 def _epoch_line(row: dict, epochs: int) -> str:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from freqact import cli, demo, figures
+from freqact import cli, demo, figures, train
 
 
 def _never(*args, **kwargs):
@@ -126,7 +126,7 @@ def test_quick_demo_end_to_end_on_digits(tmp_path):
         assert f"figures/{name}.png" in links and (out / "figures" / f"{name}.pdf").is_file()
     # the training table is the runs' own metrics
     for mode in demo.MODES:
-        final = figures.read_metrics(out / "runs" / mode)[-1]
+        final = train.read_metrics(out / "runs" / mode)[-1]
         row = next(line for line in text.splitlines() if line.startswith(f"| {mode} |"))
         assert row.split("|")[2].strip() == f"{final['test_acc']:.3f}"
 

@@ -32,14 +32,13 @@ def made(runs, tmp_path_factory):
                                  theorem_images=4, pooling_images=4, memory_images=4)
 
 
-def test_read_metrics_parses_numbers_and_empty_cells(tmp_path):
-    (tmp_path / "metrics.csv").write_text("epoch,test_acc,saved_bytes\n1,0.25,\n2,0.5,1024\n")
-    assert figures.read_metrics(tmp_path) == [
-        {"epoch": 1, "test_acc": 0.25, "saved_bytes": None},
-        {"epoch": 2, "test_acc": 0.5, "saved_bytes": 1024},
-    ]
-    with pytest.raises(FileNotFoundError, match="metrics.csv"):
-        figures.read_metrics(tmp_path / "missing")
+def test_read_metrics_gives_the_rows_as_written(tmp_path):
+    rows = [{"epoch": 1, "test_acc": 0.25, "saved_bytes": None},
+            {"epoch": 2, "test_acc": 0.5, "saved_bytes": 1024}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert train.read_metrics(tmp_path) == rows
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        train.read_metrics(tmp_path / "missing")
 
 
 @pytest.mark.parametrize("config,label", [
@@ -52,9 +51,9 @@ def test_run_label_names_mode_and_codec_settings(config, label):
     assert figures.run_label(config) == label
 
 
-def test_run_config_refuses_a_folder_without_config(tmp_path):
+def test_read_config_refuses_a_folder_without_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
-        figures.run_config(tmp_path)
+        train.read_config(tmp_path)
 
 
 @pytest.mark.slow
