@@ -65,8 +65,13 @@ def training_loss(model, x, y, mode: str):
 
 
 def _resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    """The process's resident set, exactly: smaps_rollup walks the page tables (statm reads
+    per-CPU batched counters, which can lag by a few hundred KiB)."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Rss:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/smaps_rollup has no Rss line")
 
 
 def _held_bytes(device: str) -> int:
