@@ -1,7 +1,7 @@
-"""The pure-torch DIVISION codec: the specification, the CPU path and the test oracle.
+"""The pure-torch DIVISION codec: the specification, the fallback path and the test oracle.
 
-It produces the "Division packed format" of docs/ARCHITECTURE.md byte for byte; the Triton kernels
-must match it. Summary for x viewed as maps (N, C, *S) (`as_maps`), block B, Q bits:
+It produces the "Division packed format" of docs/ARCHITECTURE.md byte for byte; the Triton and C
+kernels must match it. Summary for x viewed as maps (N, C, *S) (`as_maps`), block B, Q bits:
 
 - lfc (bf16, (N, C, *nb)): float32 block means, B per dim (a dim shorter than B is one block),
   edge blocks average only what they cover; the float32 sum is divided by the element count.
@@ -14,7 +14,7 @@ must match it. Summary for x viewed as maps (N, C, *S) (`as_maps`), block B, Q b
 
 The same quantiser serves the ablations: with `lfc=None` the codes quantise x itself (`quant`) or
 the residual alone (`division-no-lfc`); with `codes=None` only the block means remain
-(`division-no-hfc`). Only the full form goes through the Triton dispatch.
+(`division-no-hfc`). Triton covers the full form, the C kernels every form with codes.
 """
 
 from __future__ import annotations
