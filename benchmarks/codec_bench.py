@@ -8,7 +8,9 @@ In one run:
    vs `torch.utils.checkpoint` (one checkpoint per stage, the built-in peer), for CIFAR ResNet-18
    (batch 64, 32x32) and ResNet-50 (batch 4, 224x224). On the CPU: the growth of the resident set
    across the forward pass, each case in a fresh process run with MALLOC_MMAP_THRESHOLD_=65536 so
-   that freed large buffers leave the resident set; on CUDA: `torch.cuda.memory_allocated`. Beside
+   that freed large buffers leave the resident set, after one warm-up step of the same batch
+   whose freed memory is then trimmed (malloc_trim) so that it leaves the resident set too; on
+   CUDA: `torch.cuda.memory_allocated`. Beside
    it the meter's figure for the same forward (saved_bytes with the codec, exact_bytes otherwise);
    they should agree within 10 % (goals: >= 10.5x less on ResNet-18, >= 11x on ResNet-50);
 3. training-step time (forward, backward, SGD step) on CIFAR ResNet-18, batch 64, relative to
@@ -22,8 +24,11 @@ Prints a table and writes benchmarks/results/codec-<device>.json.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -81,19 +86,31 @@ def _held_bytes(device: str) -> int:
     return _resident_bytes()
 
 
+def _release_free_heap() -> None:
+    """Hand memory the allocator holds free back to the system (glibc's malloc_trim), so that a
+    later allocation cannot reuse it without growing the resident set. No-op without glibc."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def measure_memory(name: str, batch: int, shape: tuple, mode: str, device: str) -> dict:
     """Bytes held across one forward pass (run in a fresh process for the CPU figure)."""
     torch.manual_seed(0)
     model = models.get(name, num_classes=10).to(device)
     x = torch.randn(batch, *shape, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
-    # One full step on 2 samples first: one-time allocations (thread pools, kernel caches) are not
-    # activations. A small batch, so that few freed heap chunks (< 64 KiB, never returned to the
-    # system) are left for the measured forward to reuse unseen.
-    loss, _ = training_loss(model, x[:2], y[:2], mode)
+    # One full training step of the same batch first: one-time costs of its shapes (oneDNN
+    # primitives and their JIT code, thread pools, code pages) are not activations. Then the
+    # memory that step freed is handed back, so the measured forward cannot hide in it.
+    loss, _ = training_loss(model, x, y, mode)
     loss.backward()
     del loss
     model.zero_grad(set_to_none=False)
+    if device == "cpu":
+        _release_free_heap()
     before = _held_bytes(device)
     loss, meter = training_loss(model, x, y, mode)
     held = _held_bytes(device) - before
@@ -133,7 +150,11 @@ def codec_speed(device: str, repeats: int) -> dict:
 
 
 def step_times(device: str, repeats: int) -> dict:
-    """Median training-step time per mode, CIFAR ResNet-18, batch 64."""
+    """Median training-step time per mode, CIFAR ResNet-18, batch 64.
+
+    The modes take turns (one step each per round, `repeats` rounds after a warm-up round), so a
+    drift in the machine's speed reaches every mode alike instead of skewing their ratios.
+    """
     torch.manual_seed(0)
     model = models.get("resnet18", num_classes=10).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -146,8 +167,12 @@ def step_times(device: str, repeats: int) -> dict:
         loss.backward()
         optimizer.step()
 
-    return {mode: median_time(lambda: step(mode), warmup=1, repeats=repeats, device=device)
-            for mode in MODES}
+    times = {mode: [] for mode in MODES}
+    for _ in range(repeats):
+        for mode in MODES:
+            times[mode].append(median_time(lambda: step(mode), warmup=1, repeats=1,
+                                           device=device))
+    return {mode: statistics.median(seconds) for mode, seconds in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
