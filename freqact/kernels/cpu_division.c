@@ -161,7 +161,6 @@ static inline f32x8 select(i32x8 mask, f32x8 a, f32x8 b) {
     return out;
 }
 
-
 /* --- encode: block means and residual ----------------------------------------------------- */
 
 /* Block means of map x into lfc (bf16) and means (their float values); colsum: scratch of W
