@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from freqact.kernels.reference import as_maps
+from freqact.kernels.reference import as_maps, packed_shapes
 
 __all__ = ["available", "division_decode", "division_encode", "library_path", "pack_codes",
            "pack_mask", "unavailable_reason", "unpack_codes", "unpack_mask"]
@@ -132,10 +132,6 @@ def _dhw(spatial: tuple[int, ...]) -> tuple[int, int, int]:
     return (1,) * (3 - len(spatial)) + tuple(spatial)
 
 
-def _blocks(spatial: tuple[int, ...], block: int) -> tuple[int, ...]:
-    return tuple(-(-s // min(block, s)) for s in spatial)
-
-
 def division_encode(x: torch.Tensor, block: int | None, bits: int, noise: torch.Tensor | None,
                     seed: int):
     """Encode like `reference.division_encode` (block int) or `quantize_encode` (block None).
@@ -151,12 +147,11 @@ def division_encode(x: torch.Tensor, block: int | None, bits: int, noise: torch.
     lib = _lib()
     xm = as_maps(x).float().contiguous()
     n, c, *spatial = xm.shape
-    numel = xm[0, 0].numel()
-    lfc = None if block is None else torch.empty((n, c, *_blocks(tuple(spatial), block)),
-                                                 dtype=torch.bfloat16)
-    lo = torch.empty((n, c), dtype=torch.bfloat16)
-    step = torch.empty((n, c), dtype=torch.bfloat16)
-    codes = torch.empty((n, c, -(-numel * bits // 8)), dtype=torch.uint8)
+    lfc_shape, stat_shape, codes_shape = packed_shapes(x.shape, block, bits)
+    lfc = None if block is None else torch.empty(lfc_shape, dtype=torch.bfloat16)
+    lo = torch.empty(stat_shape, dtype=torch.bfloat16)
+    step = torch.empty(stat_shape, dtype=torch.bfloat16)
+    codes = torch.empty(codes_shape, dtype=torch.uint8)
     if noise is not None:
         noise = as_maps(noise).contiguous()
     status = lib.freqact_division_encode(

@@ -38,6 +38,7 @@ __all__ = [
     "lfc_encode",
     "pack_codes",
     "pack_mask",
+    "packed_shapes",
     "quantize_encode",
     "unpack_codes",
     "unpack_mask",
@@ -151,6 +152,24 @@ def _geometry(spatial: tuple[int, ...], block: int | None) -> tuple[tuple[int, i
     """(block size, block count) per spatial dim; block None means one block per map."""
     sizes = [s if block is None else min(block, s) for s in spatial]
     return tuple((b, math.ceil(s / b)) for b, s in zip(sizes, spatial))
+
+
+def packed_shapes(shape: torch.Size, block: int | None,
+                  bits: int) -> tuple[list[int] | None, list[int], list[int]]:
+    """Shapes of (lfc, lo and step, codes) of the packed form of a tensor of `shape`.
+
+    Args:
+        shape: the encoded tensor's shape (rank 2 to 5, read as maps by `as_maps`).
+        block: block size B, or None for forms without block means (lfc shape None).
+        bits: Q in {1, 2, 4, 8}.
+
+    Returns:
+        ([N, C, *nb] or None, [N, C], [N, C, ceil(P * Q / 8)]).
+    """
+    maps = list(as_maps(torch.empty(shape, device="meta")).shape)
+    spatial = tuple(maps[2:])
+    lfc = None if block is None else maps[:2] + [nb for _, nb in _geometry(spatial, block)]
+    return lfc, maps[:2], maps[:2] + [-(-math.prod(spatial) * bits // 8)]
 
 
 def _blocked(t: torch.Tensor, geom) -> torch.Tensor:

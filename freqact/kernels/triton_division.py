@@ -278,16 +278,6 @@ def _geometry(shape: torch.Size, block: int) -> tuple[list[int], list[int], list
     return spatial, blocks, counts
 
 
-def packed_shapes(shape: torch.Size, block: int,
-                  bits: int) -> tuple[list[int], list[int], list[int]]:
-    """Shapes of (lfc, lo and step, codes) for an encoded tensor of `shape` (also the fake op's)."""
-    maps = list(reference.as_maps(torch.empty(shape, device="meta")).shape)
-    spatial, _, counts = _geometry(shape, block)
-    per_map = spatial[0] * spatial[1] * spatial[2]
-    rank = len(maps) - 2
-    return maps[:2] + counts[3 - rank:], maps[:2], maps[:2] + [-(-per_map * bits // 8)]
-
-
 def _rows(per_map: int) -> int:
     """Rows of 8 elements per row-major tile: the whole map when it is small, else _ROWS."""
     return min(_ROWS, triton.next_power_of_2(-(-per_map // 8)))
@@ -324,7 +314,7 @@ def encode(x: torch.Tensor, block: int, bits: int, noise: torch.Tensor | None,
         (lfc, lo, step, codes): lfc bf16 (N, C, *nb); lo, step bf16 (N, C); codes uint8
         (N, C, ceil(P * Q / 8)), shapes of the map layout (C = 1 for rank 2).
     """
-    lfc_shape, stat_shape, codes_shape = packed_shapes(x.shape, block, bits)
+    lfc_shape, stat_shape, codes_shape = reference.packed_shapes(x.shape, block, bits)
     lfc = torch.empty(lfc_shape, dtype=torch.bfloat16, device=x.device)
     lo = torch.empty(stat_shape, dtype=torch.bfloat16, device=x.device)
     step = torch.empty(stat_shape, dtype=torch.bfloat16, device=x.device)
