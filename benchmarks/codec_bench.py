@@ -70,8 +70,8 @@ def training_loss(model, x, y, mode: str):
 
 
 def _resident_bytes() -> int:
-    """The process's resident set, exactly: smaps_rollup walks the page tables (statm reads
-    per-CPU batched counters, which can lag by a few hundred KiB)."""
+    """The process's resident set in bytes, from /proc/self/smaps_rollup (a walk of the page
+    tables, rather than statm's running counters)."""
     with open("/proc/self/smaps_rollup") as f:
         for line in f:
             if line.startswith("Rss:"):

@@ -1,8 +1,9 @@
 """Fast paths for the division codec and code packing, chosen at run time.
 
 `division_encode`, `quantize_encode`, `division_decode`, `pack_codes`/`unpack_codes` and the
-1-bit masks `pack_mask`/`unpack_mask` validate, then dispatch to one of three backends that produce the same packed format (a form
-encoded by one decodes with any other; callers never branch on the backend):
+1-bit masks `pack_mask`/`unpack_mask` dispatch (the encoders after validating their arguments) to
+one of three backends that produce the same packed format (a form encoded by one decodes with any
+other; callers never branch on the backend):
 
 - "triton": the fused Triton kernels (`triton_division`, registered as `torch.ops.freqact.*` in
   `ops`), for CUDA tensors when triton imports;

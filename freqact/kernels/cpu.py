@@ -60,7 +60,7 @@ def _cpu_model() -> str:
     except OSError:
         return platform.processor()
     wanted = ("model name", "flags")
-    return "\n".join(next((l for l in lines if l.startswith(w)), "") for w in wanted)
+    return "\n".join(next((line for line in lines if line.startswith(w)), "") for w in wanted)
 
 
 def library_path() -> Path:
@@ -160,7 +160,7 @@ def division_encode(x: torch.Tensor, block: int | None, bits: int, noise: torch.
         None if lfc is None else lfc.data_ptr(), lo.data_ptr(), step.data_ptr(), codes.data_ptr(),
         torch.get_num_threads())
     if status != 0:
-        raise MemoryError("division_encode: out of memory for the per-thread block sums")
+        raise MemoryError("division_encode: out of memory for the per-thread scratch buffers")
     return lfc, lo, step, codes
 
 
@@ -182,7 +182,7 @@ def division_decode(lfc: torch.Tensor | None, lo: torch.Tensor, step: torch.Tens
         0 if lfc is None else block, bits, None if lfc is None else lfc.data_ptr(),
         *(t.data_ptr() for t in tensors), out.data_ptr(), torch.get_num_threads())
     if status != 0:
-        raise MemoryError("division_decode: out of memory for the per-thread block values")
+        raise MemoryError("division_decode: out of memory for the per-thread scratch buffers")
     return out.reshape(shape).to(dtype)
 
 

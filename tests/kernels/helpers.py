@@ -1,10 +1,31 @@
-"""Shared by the kernel tests: byte comparison of packed forms, dyadic data, and the statistics
-of stochastic rounding."""
+"""Shared by the kernel tests: when the Triton kernels can run, byte comparison of packed forms,
+dyadic data, and the statistics of stochastic rounding."""
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
-from freqact.kernels import reference as R
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels run in Triton's interpreter: triton.jit reads this when a
+    # kernel is decorated, i.e. when triton_division is first imported (after this module).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import freqact.kernels as K  # noqa: E402
+from freqact.kernels import reference as R  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+TRITON_DEVICE = "cuda" if CUDA else "cpu"
+if not K._triton_importable():
+    _TRITON_SKIP = "triton is not importable"
+elif not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    _TRITON_SKIP = "no CUDA and TRITON_INTERPRET was set to something else"
+else:
+    _TRITON_SKIP = None
+# Marks of a test that runs the Triton kernels (natively on CUDA, else interpreted).
+TRITON = [pytest.mark.triton, pytest.mark.skipif(_TRITON_SKIP is not None,
+                                                 reason=_TRITON_SKIP or "")]
 
 
 FIELDS = ("lfc", "lo", "step", "codes")

@@ -10,15 +10,7 @@ import torch
 import freqact.kernels as K
 from freqact.kernels import cpu
 from freqact.kernels import reference as R
-
-FIELDS = ("lfc", "lo", "step", "codes")
-
-
-def _same(a, b) -> bool:
-    return all(torch.equal(getattr(a, n).view(torch.uint8) if getattr(a, n).dtype == torch.bfloat16
-                           else getattr(a, n),
-                           getattr(b, n).view(torch.uint8) if getattr(b, n).dtype == torch.bfloat16
-                           else getattr(b, n)) for n in FIELDS)
+from tests.kernels.helpers import assert_same_bytes
 
 
 def test_auto_picks_the_c_kernels_on_the_cpu_and_torch_can_be_forced(monkeypatch):
@@ -29,7 +21,7 @@ def test_auto_picks_the_c_kernels_on_the_cpu_and_torch_can_be_forced(monkeypatch
     assert K.backend_for(x) == "torch"
     noise = torch.rand(x.shape)
     got = K.division_encode(x, 4, 2, noise)
-    assert _same(got, R.division_encode(x, 4, 2, noise))
+    assert_same_bytes(got, R.division_encode(x, 4, 2, noise))
 
 
 def test_keyword_overrides_environment(monkeypatch):

@@ -5,49 +5,36 @@ exact in any order) exactly; on general float32 data up to rare bf16 ties of the
 Their own noise must round stochastically, reproducibly under torch.manual_seed.
 
 Without a GPU the Triton kernels run in Triton's interpreter on the CPU (TRITON_INTERPRET=1, set
-here before triton is first imported); with CUDA they run natively on the device. The interpreter
-is slow, so the shapes stay tiny (a few programs each).
+by tests.kernels.helpers before triton_division is imported); with CUDA they run natively on the
+device. The interpreter is slow, so the shapes stay tiny (a few programs each).
 """
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # triton.jit reads this when a kernel is decorated, i.e. when triton_division is imported.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import freqact.kernels as K  # noqa: E402
-from freqact.kernels import cpu  # noqa: E402
-from freqact.kernels import reference as R  # noqa: E402
-from tests.kernels.helpers import (  # noqa: E402
+from tests.kernels.helpers import (  # first: it switches Triton to its interpreter without CUDA
     FIELDS,
+    TRITON,
+    TRITON_DEVICE,
     assert_same_bytes,
     assert_stochastic_rounding,
     dyadic,
 )
 
-CUDA = torch.cuda.is_available()
+import freqact.kernels as K  # noqa: E402  (isort: after the helpers)
+from freqact.kernels import cpu  # noqa: E402
+from freqact.kernels import reference as R  # noqa: E402
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BITS = [1, 2, 4, 8]
 # Odd sizes, a 1x1 map, H < B <= W, whole blocks, 1D (N, C, L), Linear input (N, F), 3D.
 SHAPES = [(2, 3, 7, 9), (1, 1, 1, 1), (2, 2, 5, 16), (2, 3, 16, 16), (2, 3, 11), (2, 13),
           (1, 2, 3, 9, 10), (3, 5, 17, 8)]
 
-_triton_skip = None
-if not K._triton_importable():
-    _triton_skip = "triton is not importable"
-elif not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-    _triton_skip = "no CUDA and TRITON_INTERPRET was set to something else"
-
 BACKENDS = [
     pytest.param("cpu", marks=pytest.mark.skipif(
         not cpu.available(), reason=f"C kernels unavailable: {cpu.unavailable_reason()}")),
-    pytest.param("triton", marks=[pytest.mark.triton,
-                                  pytest.mark.skipif(_triton_skip is not None,
-                                                     reason=_triton_skip or "")]),
+    pytest.param("triton", marks=TRITON),
 ]
 
 
@@ -57,7 +44,7 @@ def backend(request) -> str:
 
 
 def _device(backend: str) -> str:
-    return "cuda" if backend == "triton" and CUDA else "cpu"
+    return TRITON_DEVICE if backend == "triton" else "cpu"
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -126,15 +113,14 @@ def test_non_contiguous_inputs(backend, layout):
     assert_same_bytes(got, R.division_encode(x, 2, 4, noise))
 
 
-@pytest.mark.parametrize("rng", ["backend", pytest.param("torch", id="reference")])
-def test_stochastic_rounding_unbiased_and_independent(backend, rng):
+@pytest.mark.parametrize("backend", [*BACKENDS, "torch"])  # the reference's torch.rand too
+def test_stochastic_rounding_unbiased_and_independent(backend):
     # 30 maps of 12x16 (several to a Triton program); one 40x48 map (loops in a program).
     gen = torch.Generator().manual_seed(3)
     for shape in [(6, 5, 12, 16), (1, 1, 40, 48)]:
         x = torch.randn(shape, generator=gen).to(_device(backend))
         torch.manual_seed(0)
-        packed = K.division_encode(x, 8, 2, backend=backend if rng == "backend" else "torch")
-        assert_stochastic_rounding(x, packed)
+        assert_stochastic_rounding(x, K.division_encode(x, 8, 2, backend=backend))
 
 
 def test_identical_maps_get_independent_noise(backend):

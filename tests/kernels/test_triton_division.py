@@ -1,32 +1,19 @@
 """The Triton DIVISION kernels as torch.library custom ops: fake shapes and opcheck.
 
 Their bytes against the reference are tested with the C kernels' in test_fused_kernels.py. Without
-a GPU they run in Triton's interpreter (TRITON_INTERPRET=1, set here before triton is imported).
+a GPU they run in Triton's interpreter (TRITON_INTERPRET=1, set by tests.kernels.helpers).
 """
 from __future__ import annotations
 
-import os
-
-import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # triton.jit reads this when a kernel is decorated, i.e. when triton_division is imported.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.kernels.helpers import FIELDS, TRITON, TRITON_DEVICE  # first: sets TRITON_INTERPRET
 
-import freqact.kernels as K  # noqa: E402
-from freqact.kernels import reference as R  # noqa: E402
+from freqact.kernels import reference as R  # noqa: E402  (isort: after the helpers)
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-from tests.kernels.helpers import FIELDS  # noqa: E402
-
-needs_triton = pytest.mark.skipif(not K._triton_importable(), reason="triton is not importable")
-if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    needs_triton = pytest.mark.skip(reason="no CUDA and TRITON_INTERPRET was set to something else")
+pytestmark = TRITON
 
 
-@needs_triton
-@pytest.mark.triton
 def test_fake_shapes_and_opcheck():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -35,8 +22,8 @@ def test_fake_shapes_and_opcheck():
         with FakeTensorMode():
             fake = torch.ops.freqact.division_encode(torch.empty(shape), 4, 2, None, 0)
         assert [tuple(t.shape) for t in fake] == [tuple(getattr(want, n).shape) for n in FIELDS]
-    x = torch.randn(1, 2, 3, 4, device=DEVICE)
-    noise = torch.rand(x.shape, device=DEVICE)
+    x = torch.randn(1, 2, 3, 4, device=TRITON_DEVICE)
+    noise = torch.rand(x.shape, device=TRITON_DEVICE)
     torch.library.opcheck(torch.ops.freqact.division_encode.default, (x, 8, 2, noise, 0))
     p = R.division_encode(x, 8, 2, noise)
     torch.library.opcheck(torch.ops.freqact.division_decode.default,
