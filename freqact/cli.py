@@ -49,6 +49,8 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep ckpt/epoch-XXXX.pt after these epochs (default %(default)s)")
     add("--save-every", type=int, default=None, metavar="K", help="also keep every K-th epoch")
     add("--resume", action="store_true", help="continue the run in --out from ckpt/last.pt (or start it)")
+    add("--log-every", type=int, default=None, metavar="N",
+        help="a progress line every N steps (default: every ~10%% of an epoch when not on a terminal)")
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -57,7 +59,11 @@ def _train(args: argparse.Namespace) -> int:
     from freqact import train
 
     fields = {f.name for f in dataclasses.fields(train.RunConfig)}
-    results = train.train(train.RunConfig(**{k: v for k, v in vars(args).items() if k in fields}))
+    try:
+        results = train.train(train.RunConfig(**{k: v for k, v in vars(args).items() if k in fields}))
+    except train.Interrupted as stop:  # Ctrl-C / SIGTERM: the checkpoints are whole
+        print(f"freqact train: {stop}", file=sys.stderr)
+        return stop.exit_code
     final = results["final"]
     if final and results["rank"] == 0:
         print(f"{results['run_dir']}: epoch {final['epoch']}, "

@@ -36,12 +36,12 @@ statistics are per rank, as usual with DDP.
 from __future__ import annotations
 
 import contextlib
-import csv
 import dataclasses
-import io
-import json
+import math
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
-from freqact import _validate, checkpoint, data, distributed, engine, models
+from freqact import _validate, checkpoint, data, distributed, engine, models, rundir
 
 MODES = ("normal", "exact", "lfc", "hfc", "division", "division-no-hfc", "division-no-lfc", "quant")
 BITS = (1, 2, 4, 8)
@@ -60,13 +60,9 @@ _CODEC_PARAMS = {
     "normal": (), "exact": (), "lfc": ("ratio",), "hfc": ("ratio",), "division": ("block", "bits"),
     "division-no-hfc": ("block",), "division-no-lfc": ("block", "bits"), "quant": ("bits",),
 }
-# Fields that may change when a run is resumed; all others must match the checkpoint.
-RESUMABLE_CHANGES = ("device", "workers", "out", "resume", "save_epochs", "save_every", "download",
-                      "data_dir")
-METRIC_COLUMNS = (
-    "epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time_s",
-    "images_per_s", "saved_bytes", "exact_bytes", "compression_ratio", "cuda_peak_bytes",
-)
+# Re-exported: the run directory owns them (`freqact.rundir`).
+RESUMABLE_CHANGES = rundir.RESUMABLE_CHANGES
+METRIC_COLUMNS = rundir.METRIC_COLUMNS
 
 
 @dataclasses.dataclass
@@ -94,8 +90,11 @@ class RunConfig:
         out: run directory; None means runs/<model>-<dataset>-<mode>.
         save_epochs: epochs after which `ckpt/epoch-XXXX.pt` is kept.
         save_every: also keep every K-th epoch's checkpoint (None: only `save_epochs`).
-        resume: continue the run in `out` from `ckpt/last.pt` (start it if there is none yet, so
-            a preemptible job can always be relaunched with the same command).
+        resume: continue the run in `out` from `ckpt/last.pt`, else from its newest loadable
+            `ckpt/epoch-XXXX.pt` (start it if there is none yet, so a preemptible job can always
+            be relaunched with the same command).
+        log_every: print a progress line every N training steps; None: every ~10 % of an epoch
+            when stdout is not a terminal (a terminal gets a progress bar instead).
     """
 
     model: str = "resnet20"
@@ -120,6 +119,7 @@ class RunConfig:
     save_epochs: list[int] = dataclasses.field(default_factory=lambda: [20, 40, 60])
     save_every: int | None = None
     resume: bool = False
+    log_every: int | None = None
 
     def __post_init__(self) -> None:
         _validate.choice("dataset", self.dataset, data.DATASETS)
@@ -130,7 +130,7 @@ class RunConfig:
         _validate.choice("bits", _validate.positive_int("bits", self.bits), BITS)
         for name in ("epochs", "batch_size"):
             _validate.positive_int(name, getattr(self, name))
-        for name in ("subset", "save_every"):
+        for name in ("subset", "save_every", "log_every"):
             if getattr(self, name) is not None:
                 _validate.positive_int(name, getattr(self, name))
         for name in ("lr", "momentum", "weight_decay"):
@@ -210,16 +210,59 @@ def evaluate_checkpoint(path: str, *, data_dir: str | None = None, device: str |
     return {**evaluate(net, batches, ctx.device), "epoch": ckpt["epoch"], "checkpoint": str(path)}
 
 
+@dataclasses.dataclass
+class _Trainer:
+    """Everything one training run holds while its epochs run (built by `_setup`)."""
+
+    config: RunConfig
+    ctx: distributed.Context
+    run: rundir.RunDir
+    net: torch.nn.Module
+    ddp: torch.nn.Module
+    ds: data.Dataset
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    aug_gen: torch.Generator
+    sampler: DistributedSampler
+    stored_config: dict
+    metrics: list = dataclasses.field(default_factory=list)
+    start_epoch: int = 0
+    saved: list = dataclasses.field(default_factory=list)
+
+
 def _run(config: RunConfig, ctx: distributed.Context, model: torch.nn.Module | None) -> dict:
-    """The body of `train` inside the (possibly distributed) context."""
+    """The body of `train` inside the (possibly distributed) context: lock, setup, resume, epochs."""
     if config.batch_size % ctx.world_size:
         raise ValueError(f"batch_size: expected a multiple of the {ctx.world_size} ranks, "
                          f"got {config.batch_size}")
-    run_dir = Path(config.out)
-    last_path = run_dir / "ckpt" / "last.pt"
-    if last_path.exists() and not config.resume:
-        raise ValueError(f"out: {run_dir} already holds a run; pass --resume to continue it or "
-                         "choose another --out")
+    if model is None:  # a typo fails before the run directory is created
+        _validate.choice("model", config.model, tuple(models.names()))
+    run = rundir.RunDir(config.out)
+    with _writer_lock(run, ctx), _Interrupts() as interrupts:
+        if not config.resume and (run.last.is_file() or run.epoch_checkpoints()):
+            raise ValueError(f"out: {run} already holds a run; pass --resume to continue it or "
+                             "choose another --out")
+        state = _setup(config, ctx, model, run)
+        if config.resume:
+            _resume(state)
+        interrupts.epoch = state.start_epoch
+        if ctx.is_main:
+            run.write_config(state.stored_config)
+        for epoch in range(state.start_epoch + 1, config.epochs + 1):
+            row = _epoch(state, epoch)
+            with interrupts.deferred():  # a signal waits until the epoch's files are whole
+                _save(state, epoch, row)
+                interrupts.epoch = epoch
+    metrics = state.metrics
+    return {"run_dir": str(run), "rank": ctx.rank, "config": state.stored_config,
+            "metrics": metrics, "final": metrics[-1] if metrics else {},
+            "last_checkpoint": str(run.last), "checkpoints": state.saved}
+
+
+def _setup(config: RunConfig, ctx: distributed.Context, model: torch.nn.Module | None,
+           run: rundir.RunDir) -> _Trainer:
+    """Model, data, optimizer, schedule, scaler and sampler of a fresh run."""
     num_classes = 100 if config.dataset == "cifar100" else 10
     torch.manual_seed(config.seed)  # same initial weights on every rank
     net = model if model is not None else _build_model(config.model, num_classes)
@@ -230,64 +273,154 @@ def _run(config: RunConfig, ctx: distributed.Context, model: torch.nn.Module | N
     distributed.barrier(ctx)
     ds = data.load_for_model(config.dataset, net, config.data_dir, subset=config.subset,
                              seed=config.seed, device=ctx.device)
-
-    stored_config = {**dataclasses.asdict(config), "num_classes": num_classes,
-                     "world_size": ctx.world_size}
     optimizer = torch.optim.SGD(net.parameters(), lr=config.lr, momentum=config.momentum,
                                 weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.epochs)
-    scaler = torch.amp.GradScaler(ctx.device.type, enabled=config.amp and ctx.device.type == "cuda")
-    aug_gen = torch.Generator().manual_seed(config.seed * 65536 + ctx.rank)
-    metrics: list[dict] = []
-    start_epoch = 0
-    if config.resume and ctx.is_main:
-        # A run killed while writing leaves temporary files (its last complete files are intact).
-        for folder in (run_dir, run_dir / "ckpt"):
-            checkpoint.remove_stale_temps(folder)
-    if config.resume and last_path.exists():
-        ckpt = checkpoint.load(last_path)
-        _check_resumable(ckpt["config"], stored_config, last_path)
-        net.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        scaler.load_state_dict(ckpt["scaler"])
-        _set_rng(ckpt["rng"], ctx, aug_gen)
-        metrics, start_epoch = list(ckpt["metrics"]), ckpt["epoch"]
-    if ctx.is_main:
-        checkpoint.atomic_write(run_dir / "config.json",
-                                json.dumps(stored_config, indent=2).encode())
-
     ddp = net if ctx.world_size == 1 else torch.nn.parallel.DistributedDataParallel(
         net, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    sampler = DistributedSampler(range(len(ds.train_labels)), num_replicas=ctx.world_size,
-                                 rank=ctx.rank, shuffle=True, seed=config.seed)
-    saved = [str(p) for p in sorted((run_dir / "ckpt").glob("epoch-*.pt"))]
-    for epoch in range(start_epoch + 1, config.epochs + 1):
-        sampler.set_epoch(epoch)
-        row = _train_epoch(config, ctx, ddp, net, ds, list(sampler), optimizer, scaler, aug_gen,
-                           epoch)
-        row["lr"] = scheduler.get_last_lr()[0]
-        scheduler.step()
-        test = _summarise(distributed.all_reduce_sum(
-            _eval_sums(net, _eval_batches(ds, net, ctx, 2 * config.batch_size), ctx.device), ctx))
-        row.update(test_loss=test["loss"], test_acc=test["accuracy"])
-        metrics.append({c: row.get(c) for c in METRIC_COLUMNS})
-        rng = distributed.all_gather(_get_rng(ctx, aug_gen), ctx)
+    return _Trainer(
+        config, ctx, run, net, ddp, ds, optimizer,
+        torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.epochs),
+        torch.amp.GradScaler(ctx.device.type, enabled=config.amp and ctx.device.type == "cuda"),
+        torch.Generator().manual_seed(config.seed * 65536 + ctx.rank),
+        DistributedSampler(range(len(ds.train_labels)), num_replicas=ctx.world_size,
+                           rank=ctx.rank, shuffle=True, seed=config.seed),
+        {**dataclasses.asdict(config), "num_classes": num_classes, "world_size": ctx.world_size},
+        saved=[str(p) for p in run.epoch_checkpoints()])
+
+
+def _resume(state: _Trainer) -> None:
+    """Restore the newest checkpoint of the run (last.pt, else the newest loadable epoch file)."""
+    run, ctx = state.run, state.ctx
+    if ctx.is_main:  # a run killed while writing leaves temporary files; we hold the lock
+        run.remove_stale_temps()
+    distributed.barrier(ctx)
+    path, ckpt, notes = run.resume_checkpoint()
+    say = print if ctx.is_main else (lambda *a, **k: None)
+    for note in notes:
+        say(f"resume: skipping {note}", flush=True)
+    if ckpt is None:
+        say(f"resume: {run} has no checkpoint yet; starting at epoch 1", flush=True)
+        return
+    rundir.check_resumable(ckpt["config"], state.stored_config, path)
+    state.net.load_state_dict(ckpt["model"])
+    state.optimizer.load_state_dict(ckpt["optimizer"])
+    state.scheduler.load_state_dict(ckpt["scheduler"])
+    state.scaler.load_state_dict(ckpt["scaler"])
+    _set_rng(ckpt["rng"], ctx, state.aug_gen)
+    state.metrics, state.start_epoch = list(ckpt["metrics"]), ckpt["epoch"]
+    missing = "" if path == run.last else f" ({run.last.name} is missing)"
+    left = (f"epochs {state.start_epoch + 1}-{state.config.epochs} to go"
+            if state.start_epoch < state.config.epochs else "nothing left to train")
+    say(f"resume: continuing {run} after epoch {state.start_epoch} from {path.name}{missing}; "
+        f"{left}", flush=True)
+
+
+def _epoch(state: _Trainer, epoch: int) -> dict:
+    """Train and evaluate one epoch; returns its metrics row (METRIC_COLUMNS)."""
+    config, ctx = state.config, state.ctx
+    state.sampler.set_epoch(epoch)
+    row = _train_epoch(config, ctx, state.ddp, state.net, state.ds, list(state.sampler),
+                       state.optimizer, state.scaler, state.aug_gen, epoch)
+    row["lr"] = state.scheduler.get_last_lr()[0]
+    state.scheduler.step()
+    test = _summarise(distributed.all_reduce_sum(
+        _eval_sums(state.net, _eval_batches(state.ds, state.net, ctx, 2 * config.batch_size),
+                   ctx.device), ctx))
+    row.update(test_loss=test["loss"], test_acc=test["accuracy"])
+    return {c: row.get(c) for c in METRIC_COLUMNS}
+
+
+def _save(state: _Trainer, epoch: int, row: dict) -> None:
+    """Append the row; rank 0 writes the epoch's checkpoints and metrics and prints its line."""
+    config, ctx, run = state.config, state.ctx, state.run
+    state.metrics.append(row)
+    rng = distributed.all_gather(_get_rng(ctx, state.aug_gen), ctx)
+    if not ctx.is_main:
+        return
+    ckpt = {"format": checkpoint.FORMAT, "epoch": epoch, "config": state.stored_config,
+            "model": state.net.state_dict(), "optimizer": state.optimizer.state_dict(),
+            "scheduler": state.scheduler.state_dict(), "scaler": state.scaler.state_dict(),
+            "rng": {key: [r[key] for r in rng] for key in rng[0]}, "metrics": state.metrics}
+    every = config.save_every
+    if epoch in config.save_epochs or (every and epoch % every == 0):
+        path = str(run.epoch_path(epoch))
+        checkpoint.save(path, ckpt)
+        if path not in state.saved:
+            state.saved.append(path)
+    checkpoint.save(run.last, ckpt)
+    run.write_metrics(state.metrics)
+    print(_epoch_line(row, config.epochs), flush=True)
+
+
+@contextlib.contextmanager
+def _writer_lock(run: rundir.RunDir, ctx: distributed.Context) -> Iterator[None]:
+    """Rank 0 holds the run directory's lock for the run; every rank learns if it got it."""
+    with contextlib.ExitStack() as stack:
+        error = None
         if ctx.is_main:
-            ckpt = {"format": checkpoint.FORMAT, "epoch": epoch, "config": stored_config,
-                    "model": net.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                    "rng": {key: [r[key] for r in rng] for key in rng[0]}, "metrics": metrics}
-            every = config.save_every
-            if epoch in config.save_epochs or (every and epoch % every == 0):
-                saved.append(str(run_dir / "ckpt" / f"epoch-{epoch:04d}.pt"))
-                checkpoint.save(saved[-1], ckpt)
-            checkpoint.save(last_path, ckpt)
-            _write_metrics(run_dir, metrics)
-            print(_epoch_line(metrics[-1], config.epochs), flush=True)
-    return {"run_dir": str(run_dir), "rank": ctx.rank, "config": stored_config, "metrics": metrics,
-            "final": metrics[-1] if metrics else {}, "last_checkpoint": str(last_path),
-            "checkpoints": saved}
+            try:
+                stack.enter_context(run.lock())
+            except rundir.RunDirBusy as err:
+                error = str(err)
+        error = distributed.all_gather(error, ctx)[0]
+        if error is not None:
+            raise rundir.RunDirBusy(error)
+        yield
+
+
+class Interrupted(KeyboardInterrupt):
+    """Training stopped by SIGINT (Ctrl-C) or SIGTERM; the checkpoints on disk are whole.
+
+    Attributes:
+        signum: the signal.
+        epoch: the last epoch whose checkpoint was written (0: none).
+        exit_code: 128 + signum, the shell's convention (130 for SIGINT, 143 for SIGTERM).
+    """
+
+    def __init__(self, signum: int, epoch: int) -> None:
+        super().__init__(f"interrupted after epoch {epoch}; rerun with --resume")
+        self.signum, self.epoch, self.exit_code = signum, epoch, 128 + signum
+
+
+class _Interrupts:
+    """SIGINT/SIGTERM raise `Interrupted` while training (handlers restored on exit).
+
+    Inside `deferred()` (while an epoch's files are written) a signal is held until the block
+    ends, so a checkpoint and its metrics are never cut apart. Handlers can only be installed in
+    the main thread; elsewhere signals keep Python's defaults.
+    """
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self._old: dict = {}
+        self._deferring = False
+        self._pending: int | None = None
+
+    def __enter__(self) -> _Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self._deferring:
+            self._pending = signum
+            return
+        raise Interrupted(signum, self.epoch)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+        if self._pending is not None:
+            raise Interrupted(self._pending, self.epoch)
 
 
 def _train_epoch(config, ctx, ddp, net, ds, order, optimizer, scaler, aug_gen, epoch) -> dict:
@@ -300,8 +433,7 @@ def _train_epoch(config, ctx, ddp, net, ds, order, optimizer, scaler, aug_gen, e
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     ddp.train()
-    bar = tqdm(total=steps, desc=f"epoch {epoch}/{config.epochs}", leave=False,
-               disable=not (ctx.is_main and sys.stderr.isatty()))
+    progress = _Progress(config, ctx, epoch, steps)
     start = time.perf_counter()
     for step in range(steps):
         idx = torch.as_tensor(order[step * per_rank:(step + 1) * per_rank], device=ctx.device)
@@ -321,8 +453,8 @@ def _train_epoch(config, ctx, ddp, net, ds, order, optimizer, scaler, aug_gen, e
             sums[0] += loss.detach().double() * len(y)
             sums[1] += (logits.argmax(1) == y).sum()
             sums[2] += len(y)
-        bar.update()
-    bar.close()
+        progress.step(step + 1, sums, start)
+    progress.close()
     elapsed = time.perf_counter() - start
     summary = _summarise(distributed.all_reduce_sum(sums, ctx))
     row = {"epoch": epoch, "train_loss": summary["loss"], "train_acc": summary["accuracy"],
@@ -333,6 +465,36 @@ def _train_epoch(config, ctx, ddp, net, ds, order, optimizer, scaler, aug_gen, e
     if ctx.device.type == "cuda":
         row["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
     return row
+
+
+class _Progress:
+    """Progress within an epoch: a tqdm bar on a terminal, else a plain line every few steps.
+
+    Lines (rank 0 only) come every `config.log_every` steps, or every ~10 % of the epoch when
+    stdout is not a terminal (a log file, a batch job); an explicit `log_every` prints lines on a
+    terminal too, instead of the bar. Lines start with two spaces, so "epoch ..." lines stay the
+    per-epoch summaries.
+    """
+
+    def __init__(self, config: RunConfig, ctx: distributed.Context, epoch: int,
+                 steps: int) -> None:
+        self.epoch, self.epochs, self.steps = epoch, config.epochs, steps
+        self.every = config.log_every or max(1, math.ceil(steps / 10))
+        self.lines = ctx.is_main and (config.log_every is not None or not sys.stdout.isatty())
+        self.bar = tqdm(total=steps, desc=f"epoch {epoch}/{config.epochs}", leave=False,
+                        disable=self.lines or not (ctx.is_main and sys.stderr.isatty()))
+
+    def step(self, done: int, sums: torch.Tensor, start: float) -> None:
+        """After `done` steps; `sums` = [loss sum, correct, count] so far on this rank."""
+        self.bar.update()
+        if self.lines and done % self.every == 0 and done < self.steps:
+            loss_sum, _, count = sums.tolist()
+            rate = count / max(time.perf_counter() - start, 1e-9)
+            print(f"  epoch {self.epoch}/{self.epochs} step {done}/{self.steps}  "
+                  f"train loss {loss_sum / count:.4f}  {rate:.0f} img/s", flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _compressing(net: torch.nn.Module, config: RunConfig):
@@ -393,64 +555,14 @@ def _set_rng(rng: dict, ctx: distributed.Context, aug_gen: torch.Generator) -> N
         torch.cuda.set_rng_state(rng["cuda"][ctx.rank], ctx.device)
 
 
-def _check_resumable(saved: dict, current: dict, path: Path) -> None:
-    """Refuse to resume when a setting that shapes the run differs from the checkpoint's."""
-    diffs = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in current.items()
-             if k not in RESUMABLE_CHANGES and saved.get(k) != v]
-    if diffs:
-        raise ValueError(f"resume: {path} was trained with other settings ({'; '.join(diffs)})")
-
-
-def _write_metrics(run_dir: Path, metrics: list[dict]) -> None:
-    """Rewrite metrics.csv and .jsonl from the whole list (so a resumed run stays consistent)."""
-    table = io.StringIO()
-    writer = csv.DictWriter(table, fieldnames=METRIC_COLUMNS)
-    writer.writeheader()
-    writer.writerows(metrics)
-    checkpoint.atomic_write(run_dir / "metrics.csv", table.getvalue().encode())
-    lines = "".join(json.dumps(row) + "\n" for row in metrics)
-    checkpoint.atomic_write(run_dir / "metrics.jsonl", lines.encode())
-
-
 def read_config(run_dir: str | os.PathLike) -> dict:
-    """The stored settings of a run (`RUN/config.json`), as written by `train`.
-
-    Raises:
-        FileNotFoundError: if run_dir holds no config.json (it is not a run directory).
-        ValueError: if the file is not valid JSON (the message names it).
-    """
-    path = Path(run_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.json)")
-    return _read_json(path)
+    """The stored settings of a run (`RUN/config.json`): `rundir.RunDir(run_dir).read_config()`."""
+    return rundir.RunDir(run_dir).read_config()
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    """The per-epoch rows of a run (`RUN/metrics.jsonl`), values as written (None where a mode
-    has no value); metrics.csv holds the same rows for spreadsheets.
-
-    Raises:
-        FileNotFoundError: if the run has no metrics.jsonl (it has not finished an epoch).
-        ValueError: if the file is not valid JSON lines (the message names it).
-    """
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} has no metrics.jsonl (no finished epoch)")
-    return _read_json(path, lines=True)
-
-
-def _read_json(path: Path, *, lines: bool = False):
-    """The JSON value of a run file, or with `lines` the list of its JSON lines.
-
-    Data only: the file is never evaluated or unpickled. Errors name the file.
-    """
-    try:
-        text = path.read_text(encoding="utf-8")
-        if lines:
-            return [json.loads(line) for line in text.splitlines() if line]
-        return json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: not valid JSON ({err}); delete or repair the file") from None
+    """The per-epoch rows of a run (`RUN/metrics.jsonl`): `rundir.RunDir(run_dir).read_metrics()`."""
+    return rundir.RunDir(run_dir).read_metrics()
 
 
 def _epoch_line(row: dict, epochs: int) -> str:

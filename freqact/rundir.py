@@ -1,0 +1,296 @@
+"""The run directory: one type owns its layout, its files, "finished?" and "resumable?".
+
+    run = RunDir("runs/resnet20-cifar10-division")
+    run.read_config(), run.read_metrics(), run.last, run.epoch_checkpoints()
+    with run.lock():            # one writer per directory
+        run.write_config(cfg); run.write_metrics(rows)
+
+Layout (`freqact train` writes it, `figures`, `sweep` and the analyses read it)::
+
+    RUN/config.json         the stored run config (RunConfig fields + num_classes, world_size)
+    RUN/metrics.csv         one row per finished epoch (METRIC_COLUMNS), for spreadsheets
+    RUN/metrics.jsonl       the same rows as JSON lines: what every reader reads
+    RUN/ckpt/epoch-XXXX.pt  kept checkpoints (`save_epochs`, `save_every`)
+    RUN/ckpt/last.pt        the state after the newest finished epoch
+    RUN/.lock               held (flock) by the one process writing the run
+
+Files are written atomically (`checkpoint.atomic_write`); JSON files are read as data (never
+evaluated), with a size bound, and every error names the file (and the line of a JSON-lines file).
+
+The lock is `fcntl.flock(LOCK_EX | LOCK_NB)` on `RUN/.lock`: the kernel releases it when its
+process exits, however it exits, so a lock left by a crashed (even SIGKILLed) process never blocks
+the next run. The file itself stays in place (deleting it would let two processes lock two
+different files of the same name). Where `fcntl` does not exist (Windows) runs are not locked.
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import os
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from freqact import checkpoint
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no advisory locks, runs are not locked
+    fcntl = None
+
+# Fields that may change when a run is resumed; all others must match the stored run.
+RESUMABLE_CHANGES = ("device", "workers", "out", "resume", "save_epochs", "save_every", "download",
+                     "data_dir", "log_every")
+METRIC_COLUMNS = (
+    "epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time_s",
+    "images_per_s", "saved_bytes", "exact_bytes", "compression_ratio", "cuda_peak_bytes",
+)
+# Bounds on what a reader takes in: a run's config is a few hundred bytes, a metrics line ~300.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_METRICS_BYTES = 64 << 20
+
+
+class RunDirBusy(ValueError):
+    """Another process holds the run directory's lock."""
+
+
+class RunDir:
+    """A run directory's paths, readers and writers.
+
+    Args:
+        path: the run directory (need not exist yet).
+
+    Raises:
+        ValueError: if `path` is empty (it would mean the current directory).
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        if isinstance(path, str) and not path.strip():
+            raise ValueError(f"out: expected a run directory path, got {path!r}")
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    # -- paths ------------------------------------------------------------------------------
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.json"
+
+    @property
+    def metrics_jsonl(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def metrics_csv(self) -> Path:
+        return self.path / "metrics.csv"
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.path / "ckpt"
+
+    @property
+    def last(self) -> Path:
+        """RUN/ckpt/last.pt."""
+        return self.ckpt_dir / "last.pt"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.path / ".lock"
+
+    def epoch_path(self, epoch: int) -> Path:
+        """RUN/ckpt/epoch-XXXX.pt of `epoch`."""
+        return self.ckpt_dir / f"epoch-{epoch:04d}.pt"
+
+    def epoch_checkpoints(self) -> list[Path]:
+        """The kept epoch checkpoints, oldest first."""
+        return sorted(self.ckpt_dir.glob("epoch-*.pt"))
+
+    def checkpoints(self) -> list[Path]:
+        """The epoch checkpoints, else [last.pt] when there is none, else []."""
+        return self.epoch_checkpoints() or ([self.last] if self.last.is_file() else [])
+
+    def has_state(self) -> bool:
+        """Whether anything of a run was written here (config, metrics or checkpoints)."""
+        return self.config_path.is_file() or self.ckpt_dir.is_dir()
+
+    # -- readers ----------------------------------------------------------------------------
+    def read_config(self) -> dict:
+        """The stored settings (`RUN/config.json`).
+
+        Raises:
+            FileNotFoundError: if there is no config.json (not a run directory).
+            ValueError: naming the file, if it is not a JSON object or too large.
+        """
+        if not self.config_path.is_file():
+            raise FileNotFoundError(f"{self.path} is not a run directory (no config.json)")
+        value = _parse_json(self.config_path, _read_text(self.config_path, MAX_CONFIG_BYTES))
+        if not isinstance(value, dict):
+            raise ValueError(f"{self.config_path}: expected a JSON object, got "
+                             f"{type(value).__name__}; delete or repair the file")
+        return value
+
+    def read_metrics(self, numbers: Sequence[str] = ()) -> list[dict]:
+        """The per-epoch rows (`RUN/metrics.jsonl`), values as written.
+
+        Args:
+            numbers: columns that must hold a number or null in every row (what a plot reads).
+
+        Raises:
+            FileNotFoundError: if there is no metrics.jsonl (no finished epoch).
+            ValueError: naming the file and line, for a line that is not a JSON object with an
+                integer "epoch" >= 1, or a `numbers` column holding something else.
+        """
+        if not self.metrics_jsonl.is_file():
+            raise FileNotFoundError(f"{self.path} has no metrics.jsonl (no finished epoch)")
+        text = _read_text(self.metrics_jsonl, MAX_METRICS_BYTES)
+        rows = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                rows.append(_metrics_row(f"{self.metrics_jsonl} line {number}", line, numbers))
+        return rows
+
+    def metrics_or_empty(self) -> list[dict]:
+        """`read_metrics()`, or [] when the run has not finished an epoch."""
+        try:
+            return self.read_metrics()
+        except FileNotFoundError:
+            return []
+
+    def finished(self, epochs: int) -> bool:
+        """Whether the metrics reach epoch `epochs`."""
+        metrics = self.metrics_or_empty()
+        return bool(metrics) and metrics[-1]["epoch"] >= epochs
+
+    def state(self, config: dict, epochs: int) -> str:
+        """"finished", "partial" (something written, epochs missing) or "new".
+
+        Raises:
+            ValueError: if the stored config differs from `config` in a non-resumable field.
+        """
+        if self.config_path.is_file():
+            check_resumable(self.read_config(), config, self.path)
+        if self.finished(epochs):
+            return "finished"
+        return "partial" if self.has_state() else "new"
+
+    # -- writers ----------------------------------------------------------------------------
+    def write_config(self, config: dict) -> None:
+        """Write config.json atomically (indented JSON)."""
+        checkpoint.atomic_write(self.config_path, json.dumps(config, indent=2).encode())
+
+    def write_metrics(self, rows: Sequence[dict]) -> None:
+        """Rewrite metrics.csv and .jsonl from all rows (so a resumed run stays consistent)."""
+        table = io.StringIO()
+        writer = csv.DictWriter(table, fieldnames=METRIC_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+        checkpoint.atomic_write(self.metrics_csv, table.getvalue().encode())
+        lines = "".join(json.dumps(row) + "\n" for row in rows)
+        checkpoint.atomic_write(self.metrics_jsonl, lines.encode())
+
+    def remove_stale_temps(self) -> None:
+        """Delete temporary files a writer killed mid-save left (call only under the lock)."""
+        for folder in (self.path, self.ckpt_dir):
+            checkpoint.remove_stale_temps(folder)
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the run's exclusive lock for the block (creates the directory).
+
+        Raises:
+            RunDirBusy: if another process holds it; the message names the directory.
+        """
+        if fcntl is None:  # pragma: no cover
+            yield
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise RunDirBusy(f"out: {self.path} is in use by another freqact process; wait "
+                                 "for it to finish or choose another --out") from None
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the lock
+
+    # -- resume -----------------------------------------------------------------------------
+    def resume_checkpoint(self) -> tuple[Path | None, dict | None, list[str]]:
+        """The checkpoint a resume continues from: last.pt, else the newest loadable epoch file.
+
+        Returns:
+            (path, checkpoint dict, notes): (None, None, notes) when there is no checkpoint; notes
+            say which epoch files were skipped as unloadable and why.
+
+        Raises:
+            ValueError: if last.pt exists but cannot be loaded (it is never skipped: it is the
+                run's newest state), or every epoch checkpoint is unloadable.
+        """
+        if self.last.is_file():
+            return self.last, checkpoint.load(self.last), []
+        notes = []
+        for path in reversed(self.epoch_checkpoints()):
+            try:
+                return path, checkpoint.load(path), notes
+            except ValueError as err:
+                notes.append(str(err))
+        if notes:
+            raise ValueError(f"resume: {self.ckpt_dir} has no last.pt and no loadable epoch "
+                             f"checkpoint ({notes[0]})")
+        return None, None, []
+
+
+def check_resumable(saved: dict, current: dict, where: str | os.PathLike) -> None:
+    """Refuse when a setting that shapes the run differs between `saved` and `current`.
+
+    Raises:
+        ValueError: naming `where` and every differing field (saved -> current).
+    """
+    diffs = [f"{key}: {saved.get(key)!r} -> {value!r}" for key, value in current.items()
+             if key not in RESUMABLE_CHANGES and saved.get(key) != value]
+    if diffs:
+        raise ValueError(f"resume: {where} was written with other settings ({'; '.join(diffs)}); "
+                         "delete it or choose another --out")
+
+
+def _read_text(path: Path, limit: int) -> str:
+    """The UTF-8 text of `path`, refused past `limit` bytes (errors name the file)."""
+    with open(path, "rb") as f:
+        raw = f.read(limit + 1)
+    if len(raw) > limit:
+        raise ValueError(f"{path}: larger than {limit} bytes; not a file freqact wrote")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err}); delete or repair the file") from None
+
+
+def _parse_json(where: str | Path, text: str) -> object:
+    """json.loads as data; malformed or absurdly nested input is a ValueError naming `where`."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: not valid JSON ({err}); delete or repair the file") from None
+    except RecursionError:
+        raise ValueError(f"{where}: not valid JSON (nested too deeply)") from None
+
+
+def _metrics_row(where: str, line: str, numbers: Sequence[str]) -> dict:
+    """One checked metrics row: a JSON object, integer epoch >= 1, `numbers` numeric or null."""
+    row = _parse_json(where, line)
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    epoch = row.get("epoch")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
+        raise ValueError(f"{where}: epoch: expected an integer >= 1, got {epoch!r}")
+    for key in numbers:
+        value = row.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"{where}: {key}: expected a number or null, got {value!r}")
+    return row
