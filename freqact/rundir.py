@@ -163,8 +163,7 @@ class RunDir:
 
     def finished(self, epochs: int) -> bool:
         """Whether the metrics reach epoch `epochs`."""
-        metrics = self.metrics_or_empty()
-        return bool(metrics) and metrics[-1]["epoch"] >= epochs
+        return reaches(self.metrics_or_empty(), epochs)
 
     def state(self, config: dict, epochs: int) -> str:
         """"finished", "partial" (something written, epochs missing) or "new".
@@ -244,6 +243,11 @@ class RunDir:
             raise ValueError(f"resume: {self.ckpt_dir} has no last.pt and no loadable epoch "
                              f"checkpoint ({notes[0]})")
         return None, None, []
+
+
+def reaches(metrics: Sequence[dict], epochs: int) -> bool:
+    """Whether metrics rows (as `RunDir.read_metrics` gives them) reach epoch `epochs`."""
+    return bool(metrics) and metrics[-1]["epoch"] >= epochs
 
 
 def check_resumable(saved: dict, current: dict, where: str | os.PathLike) -> None:

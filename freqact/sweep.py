@@ -69,13 +69,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from freqact import _validate, distributed, train
+from freqact import _validate, distributed, rundir, train
 
 SPEC_KEYS = ("name", "description", "base", "grid", "variants")
 # RunConfig fields the sweep sets itself.
 MANAGED_FIELDS = ("out", "resume", "device")
 _FORMATS = {".toml": "toml", ".json": "json", ".yaml": "yaml", ".yml": "yaml"}
 _LABEL_PARAMS = (("block", "B"), ("bits", "Q"), ("ratio", "r"))
+# Bounds on a spec: its file, its YAML expansion and the runs it may ask for.
+MAX_SPEC_BYTES = 1 << 20
+MAX_SPEC_NODES = 100_000
+MAX_RUNS = 10_000
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,7 @@ def load_spec(spec: str | os.PathLike) -> dict:
         suffix = path.suffix.lower()
         if suffix not in _FORMATS:
             raise ValueError(f"spec: expected a {', '.join(_FORMATS)} file, got {path}")
-        text, fmt = path.read_text(encoding="utf-8"), _FORMATS[suffix]
+        text, fmt = _read_spec_text(path), _FORMATS[suffix]
     elif str(spec) in presets():
         text = resources.files("freqact").joinpath("presets", f"{spec}.toml").read_text("utf-8")
         fmt = "toml"
@@ -177,10 +181,58 @@ def expand(spec: dict, out: str | os.PathLike | None = None, *, data_dir: str | 
     unknown = [key for key in spec if key not in SPEC_KEYS]
     if unknown:
         raise ValueError(f"spec: unknown key {unknown[0]!r}; expected keys {', '.join(SPEC_KEYS)}")
-    name = spec.get("name")
+    name = _folder_name(spec.get("name"))
+    base = _fields(spec.get("base", {}), "base")
+    grid = _grid(spec, base)
+    variants = _variants(spec.get("variants", [{}]), base, grid)
+    _check_count(len(variants), grid)
+    if out is not None and not str(out).strip():
+        raise ValueError(f"out: expected a folder path, got {out!r}")
+    out = Path(out) if out is not None else Path("sweeps") / name
+    group_fields = tuple(key for key in grid if key != "seed")
+    extra = {"resume": True, **({"data_dir": data_dir} if data_dir is not None else {}),
+             **({"download": True} if download else {})}
+    runs = tuple(_runs(variants, grid, group_fields, out, extra))
+    return Study(name, str(spec.get("description", "")), out, group_fields, runs)
+
+
+def _runs(variants: list[tuple[str, dict]], grid: dict, group_fields: tuple[str, ...], out: Path,
+          extra: dict) -> Iterator[Run]:
+    """Every run: variant-major, then grid point; each in OUT/<label>/[<field>-<value>/]seed-<s>.
+
+    Labels and grid values become folder names through `_slug` (lower-case letters, digits, '.'
+    and '-', never starting with '.'), so no run directory leaves `out`.
+    """
+    for label, settings in variants:
+        for point in itertools.product(*grid.values()):
+            values = dict(zip(grid, point))
+            group = tuple((key, values[key]) for key in group_fields)
+            config = _config({**settings, **values, **extra}, f"variant {label!r}")
+            run_dir = out.joinpath(_slug(label), *(f"{k}-{_slug(str(v))}" for k, v in group),
+                                   f"seed-{config.seed}")
+            yield Run(label, group, dataclasses.replace(config, out=str(run_dir)))
+
+
+def _check_count(variants: int, grid: dict) -> None:
+    """Refuse a study of more than MAX_RUNS runs, counted before anything is expanded."""
+    count = variants * math.prod(len(values) for values in grid.values())
+    if count > MAX_RUNS:
+        sizes = " x ".join(str(len(v)) for v in grid.values()) or "1"
+        raise ValueError(f"grid: the spec asks for {count:,} runs ({variants} variants x "
+                         f"{sizes} grid values); at most {MAX_RUNS:,} per study")
+
+
+def _folder_name(name: object) -> str:
+    """The spec's `name`, checked to be one folder name (it names `sweeps/<name>`)."""
     if not isinstance(name, str) or not _slug(name):
         raise ValueError(f"name: expected a non-empty string, got {name!r}")
-    base = _fields(spec.get("base", {}), "base")
+    if name in (".", "..") or any(c in name for c in "/\\\0") or Path(name).is_absolute():
+        raise ValueError(f"name: expected one folder name (no '/', '\\' or '..'), got {name!r}")
+    return name
+
+
+def _grid(spec: dict, base: dict) -> dict:
+    """The spec's grid, checked: non-empty lists of single values, none also set in base."""
     grid = _fields(spec.get("grid", {}), "grid")
     if "grid" in spec and not grid:
         raise ValueError("grid: expected at least one field with a list of values, got an empty grid")
@@ -191,57 +243,22 @@ def expand(spec: dict, out: str | os.PathLike | None = None, *, data_dir: str | 
                              f"got {values!r}")
         if key in base:
             raise ValueError(f"grid.{key}: also set in base; set it in one place")
-    variants = _variants(spec.get("variants", [{}]), base, grid)
-    out = Path(out) if out is not None else Path("sweeps") / name
-    group_fields = tuple(key for key in grid if key != "seed")
-    runs = []
-    for label, settings in variants:
-        for point in itertools.product(*grid.values()):
-            values = dict(zip(grid, point))
-            group = tuple((key, values[key]) for key in group_fields)
-            fields = {**settings, **values, "resume": True}
-            if data_dir is not None:
-                fields["data_dir"] = data_dir
-            if download:
-                fields["download"] = True
-            config = _config(fields, f"variant {label!r}")
-            run_dir = out.joinpath(_slug(label), *(f"{k}-{_slug(str(v))}" for k, v in group),
-                                   f"seed-{config.seed}")
-            runs.append(Run(label, group, dataclasses.replace(config, out=str(run_dir))))
-    return Study(name, str(spec.get("description", "")), out, group_fields, tuple(runs))
+    return grid
 
 
 def run_state(run: Run) -> str:
-    """"finished", "partial" (a run directory exists but misses epochs) or "new".
+    """"finished", "partial" (a run directory exists but misses epochs) or "new"
+    (`rundir.RunDir.state`).
 
     Raises:
         ValueError: if the run directory was written with settings other than `run.config`'s.
     """
-    stored = run.run_dir / "config.json"
-    if stored.is_file():
-        saved = train.read_config(run.run_dir)
-        diffs = [f"{key}: {saved.get(key)!r} -> {value!r}"
-                 for key, value in dataclasses.asdict(run.config).items()
-                 if key not in train.RESUMABLE_CHANGES and saved.get(key) != value]
-        if diffs:
-            raise ValueError(f"out: {run.run_dir} holds a run with other settings "
-                             f"({'; '.join(diffs)}); delete it or choose another --out")
-    if _finished(read_metrics(run.run_dir), run.config):
-        return "finished"
-    return "partial" if stored.is_file() or (run.run_dir / "ckpt").is_dir() else "new"
+    return rundir.RunDir(run.run_dir).state(dataclasses.asdict(run.config), run.config.epochs)
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    """The per-epoch rows of a run (`train.read_metrics`), [] when it has not finished an epoch."""
-    try:
-        return train.read_metrics(run_dir)
-    except FileNotFoundError:
-        return []
-
-
-def _finished(metrics: list[dict], config: train.RunConfig) -> bool:
-    """Whether a run's metrics reach its last epoch."""
-    return bool(metrics) and metrics[-1]["epoch"] >= config.epochs
+    """The per-epoch rows of a run (`rundir.RunDir.read_metrics`), [] before its first epoch."""
+    return rundir.RunDir(run_dir).metrics_or_empty()
 
 
 def plan(spec: str | os.PathLike | dict, out: str | os.PathLike | None = None, *,
@@ -315,7 +332,8 @@ def results_table(study: Study) -> list[dict]:
     for (label, group), members in arms.items():
         config = members[0].config
         params = config.codec_params()
-        finished = [m for m in (read_metrics(r.run_dir) for r in members) if _finished(m, config)]
+        finished = [m for m in (read_metrics(r.run_dir) for r in members)
+                    if rundir.reaches(m, config.epochs)]
         row = {"label": label, **dict(group), "mode": config.mode,
                **{key: params.get(key) for key, _ in _LABEL_PARAMS}, "epochs": config.epochs,
                "seeds": len(finished), "runs": len(members)}
@@ -371,8 +389,25 @@ def write_results(study: Study, rows: Sequence[dict]) -> list[Path]:
     return written
 
 
+def _read_spec_text(path: Path) -> str:
+    """A spec file's text, refused past MAX_SPEC_BYTES or when it is not UTF-8."""
+    with open(path, "rb") as f:
+        raw = f.read(MAX_SPEC_BYTES + 1)
+    if len(raw) > MAX_SPEC_BYTES:
+        raise ValueError(f"spec: {path} is larger than {MAX_SPEC_BYTES} bytes; a spec is a few "
+                         "lines")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"spec: {path} is not UTF-8 text ({err})") from None
+
+
 def _parse(text: str, fmt: str, path: Path) -> object:
-    """Parse a spec's text; every parser's error becomes a ValueError naming the file."""
+    """Parse a spec's text; every parser's error becomes a ValueError naming the file.
+
+    YAML goes through `_bounded_yaml` (safe tags only, at most MAX_SPEC_NODES nodes counting
+    each alias as the nodes it stands for); nesting too deep for the parsers is refused too.
+    """
     if fmt == "yaml":
         try:
             import yaml
@@ -380,7 +415,7 @@ def _parse(text: str, fmt: str, path: Path) -> object:
             raise ValueError(f"spec: reading {path} needs pyyaml (pip install pyyaml); "
                              "or write the spec as TOML or JSON") from err
         errors: tuple = (yaml.YAMLError,)
-        parse = yaml.safe_load
+        parse = _bounded_yaml
     elif fmt == "json":
         errors, parse = (json.JSONDecodeError,), json.loads
     else:
@@ -394,6 +429,52 @@ def _parse(text: str, fmt: str, path: Path) -> object:
         return parse(text)
     except errors as err:
         raise ValueError(f"spec: {path} is not valid {fmt.upper()}: {err}") from err
+    except RecursionError:
+        raise ValueError(f"spec: {path} is not valid {fmt.upper()}: nested too deeply") from None
+
+
+def _bounded_yaml(text: str) -> object:
+    """`yaml.safe_load` that refuses documents expanding to more than MAX_SPEC_NODES nodes.
+
+    safe_load shares an aliased node instead of copying it, so an "alias bomb" (each level
+    aliasing the one before ten times) loads in microseconds but expands to billions of values
+    once anything walks it (str() of the description, say). The composed node graph is sized
+    with every alias counted in full (a cycle counts as unbounded) before anything is built.
+    """
+    import yaml
+
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size = _yaml_size(node, {})
+        if size > MAX_SPEC_NODES:
+            raise yaml.YAMLError(f"expands to more than {MAX_SPEC_NODES:,} values (aliases "
+                                 "counted in full)")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _yaml_size(node, sizes: dict) -> int:
+    """Nodes under `node` with aliases expanded; memoised by node, capped at MAX_SPEC_NODES+1."""
+    import yaml
+
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    sizes[key] = MAX_SPEC_NODES + 1  # reached again while being sized: a cycle
+    children = []
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [part for pair in node.value for part in pair]
+    size = 1
+    for child in children:
+        size = min(size + _yaml_size(child, sizes), MAX_SPEC_NODES + 1)
+    sizes[key] = size
+    return size
 
 
 def _fields(table: object, where: str) -> dict:
