@@ -35,10 +35,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from freqact import _validate, checkpoint, engine, plots, train
+from freqact import _validate, checkpoint, engine, plots, rundir, train
 from freqact.analysis import common, lambdas, pooling, theorem31
 
 FIGURES = ("lambdas", "training", "theorem31", "pooling", "compression")
+# The metrics columns the training figure plots (a bad row is refused naming file and line).
+TRAINING_COLUMNS = ("train_loss", "test_acc")
 
 CAPTIONS = {
     "lambdas": "λ^L (low band) beside λ^H (high band) of every block output, mean ± std over test "
@@ -163,7 +165,7 @@ def make_all(
         raise ValueError(f"run_dirs: expected a non-empty list of run directories, got {run_dirs!r}")
     _validate.unit_ratio("ratio", ratio)
     runs = [Path(r) for r in run_dirs]
-    configs = [train.read_config(r) for r in runs]
+    configs = [rundir.RunDir(r).read_config() for r in runs]
     labels = _unique_labels([run_label(c) for c in configs], runs)
     main_run = _analysis_run(runs, configs, analysis_run)
     out = Path(out)
@@ -179,7 +181,8 @@ def make_all(
     memory = [{"run": label, **row} for label, path in zip(labels, map(_last_checkpoint, runs))
               for row in layer_memory(path, images=memory_images, data_dir=data_dir, device=device)]
     metrics = [{"run": label, **row}
-               for label, r in zip(labels, runs) for row in train.read_metrics(r)]
+               for label, r in zip(labels, runs)
+               for row in rundir.RunDir(r).read_metrics(numbers=TRAINING_COLUMNS)]
     totals = memory_totals(memory)
     made["training"] = _figure(
         "training", out, metrics, lambda rows, stem: plots.training_figure(rows, stem, memory=totals))
@@ -220,7 +223,7 @@ def memory_totals(rows: Sequence[dict]) -> list[dict]:
 
 def _last_checkpoint(run: Path) -> Path:
     """RUN/ckpt/last.pt, the run's final state."""
-    path = run / "ckpt" / "last.pt"
+    path = rundir.RunDir(run).last
     if not path.is_file():
         raise FileNotFoundError(f"run_dirs: {run} has no ckpt/last.pt (no finished epoch)")
     return path

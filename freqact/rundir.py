@@ -107,12 +107,19 @@ class RunDir:
         return self.ckpt_dir / f"epoch-{epoch:04d}.pt"
 
     def epoch_checkpoints(self) -> list[Path]:
-        """The kept epoch checkpoints, oldest first."""
+        """The kept epoch checkpoints, oldest first (`epoch_path`'s zero-padded names sort)."""
         return sorted(self.ckpt_dir.glob("epoch-*.pt"))
 
     def checkpoints(self) -> list[Path]:
         """The epoch checkpoints, else [last.pt] when there is none, else []."""
-        return self.epoch_checkpoints() or ([self.last] if self.last.is_file() else [])
+        return self.checkpoints_in(self.ckpt_dir)
+
+    @staticmethod
+    def checkpoints_in(folder: str | os.PathLike) -> list[Path]:
+        """`checkpoints()` of a folder laid out as RUN/ckpt (epoch-*.pt, else last.pt)."""
+        folder = Path(folder)
+        last = folder / "last.pt"
+        return sorted(folder.glob("epoch-*.pt")) or ([last] if last.is_file() else [])
 
     def has_state(self) -> bool:
         """Whether anything of a run was written here (config, metrics or checkpoints)."""
@@ -138,12 +145,12 @@ class RunDir:
         """The per-epoch rows (`RUN/metrics.jsonl`), values as written.
 
         Args:
-            numbers: columns that must hold a number or null in every row (what a plot reads).
+            numbers: columns that must hold a number in every row (what a plot reads).
 
         Raises:
             FileNotFoundError: if there is no metrics.jsonl (no finished epoch).
             ValueError: naming the file and line, for a line that is not a JSON object with an
-                integer "epoch" >= 1, or a `numbers` column holding something else.
+                integer "epoch" >= 1, or a `numbers` column missing or holding something else.
         """
         if not self.metrics_jsonl.is_file():
             raise FileNotFoundError(f"{self.path} has no metrics.jsonl (no finished epoch)")
@@ -286,7 +293,7 @@ def _parse_json(where: str | Path, text: str) -> object:
 
 
 def _metrics_row(where: str, line: str, numbers: Sequence[str]) -> dict:
-    """One checked metrics row: a JSON object, integer epoch >= 1, `numbers` numeric or null."""
+    """One checked metrics row: a JSON object, integer epoch >= 1, `numbers` numeric."""
     row = _parse_json(where, line)
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
@@ -295,6 +302,6 @@ def _metrics_row(where: str, line: str, numbers: Sequence[str]) -> dict:
         raise ValueError(f"{where}: epoch: expected an integer >= 1, got {epoch!r}")
     for key in numbers:
         value = row.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ValueError(f"{where}: {key}: expected a number or null, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where}: {key}: expected a number, got {value!r}")
     return row

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from freqact import _validate, data
+from freqact.rundir import RunDir
 from freqact.models import BLOCK_TYPES
 
 LAYER_SETS = ("blocks", "convs", "all")
@@ -137,10 +138,9 @@ def resolve_checkpoints(paths: Sequence[str | os.PathLike]) -> list[Path]:
         if entry.is_file():
             found.append(entry)
         elif entry.is_dir():
-            folder = entry / "ckpt" if (entry / "ckpt").is_dir() else entry
-            epochs = sorted(folder.glob("epoch-*.pt"))
-            if not epochs and (folder / "last.pt").is_file():
-                epochs = [folder / "last.pt"]
+            # a run directory, or a folder of checkpoints laid out as its ckpt/
+            folder = RunDir(entry).ckpt_dir if RunDir(entry).ckpt_dir.is_dir() else entry
+            epochs = RunDir.checkpoints_in(folder)
             if not epochs:
                 raise FileNotFoundError(f"{entry}: no epoch-*.pt or last.pt checkpoint in {folder}")
             found.extend(epochs)
@@ -152,7 +152,7 @@ def resolve_checkpoints(paths: Sequence[str | os.PathLike]) -> list[Path]:
 def default_out_dir(checkpoint: Path) -> Path:
     """`RUN/analysis` for a checkpoint in `RUN/ckpt/`, else `analysis/` beside the checkpoint."""
     parent = checkpoint.resolve().parent
-    run = parent.parent if parent.name == "ckpt" else parent
+    run = parent.parent if RunDir(parent.parent).ckpt_dir == parent else parent
     return run / "analysis"
 
 
