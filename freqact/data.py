@@ -7,22 +7,26 @@ per-image Python loop.
 
 - `cifar10`, `cifar100`: the official python layout (`cifar-10-batches-py/`, `cifar-100-python/`)
   in a data directory: the argument, else `$FREQACT_DATA`, else `./data`. The pickled batches are
-  parsed by `load_pickle`, an unpickler that can only rebuild plain containers and numeric numpy
-  arrays, so a crafted file cannot run code. `download=True` fetches the official archive and
-  checks its md5.
+  parsed by `load_pickle` (`freqact.safepickle`), an unpickler that can only rebuild plain
+  containers and numeric numpy arrays with bounded memory, so a crafted file cannot run code or
+  exhaust memory; each batch is checked (integer pixels 0..255 of shape (N, 3072), N integer
+  labels in range). `download=True` fetches the official archive, checks its md5 and unpacks it
+  through a temporary folder (see `download_cifar`).
 - `digits`: scikit-learn's bundled 8x8 handwritten digits (works offline), resized bilinearly to
   the requested (C, H, W) (default 3x32x32) with the gray level replicated over the channels.
 - `synthetic`: a seeded, learnable random dataset (class-dependent smooth patterns plus noise).
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import os
-import pickle
+import shutil
 import tarfile
 import tempfile
 import urllib.error
 import urllib.request
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from freqact import _validate
+from freqact.safepickle import load_pickle
 
 DATASETS = ("cifar10", "cifar100", "digits", "synthetic")
 
@@ -95,82 +100,52 @@ def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
     return Path(os.environ.get("FREQACT_DATA") or "data")
 
 
-class _SafeUnpickler(pickle.Unpickler):
-    """An unpickler that can only rebuild builtin containers and numeric numpy arrays.
-
-    The CIFAR batches hold dicts, lists, bytes, ints and numpy arrays; rebuilding an array needs
-    three globals (numpy's array reconstructor, `numpy.ndarray` and `numpy.dtype`), and files
-    re-pickled by Python 3 at protocol <= 2 spell bytes as `_codecs.encode(str, "latin1")`.
-    Every other global, which is how a pickle runs code, is refused before anything is called.
-    Object dtypes are refused too: their payload would be unpickled objects, not numbers.
-    """
-
-    _RECONSTRUCT = np.ndarray(0).__reduce__()[0]  # numpy's own array reconstructor, any version
-
-    def find_class(self, module: str, name: str):
-        if module in ("numpy.core.multiarray", "numpy._core.multiarray") and name == "_reconstruct":
-            return self._RECONSTRUCT
-        if module == "numpy" and name == "ndarray":
-            return np.ndarray
-        if module == "numpy" and name == "dtype":
-            return _numeric_dtype
-        if module == "_codecs" and name == "encode":  # how Python 3 writes bytes at protocol <= 2
-            return _latin1_bytes
-        raise pickle.UnpicklingError(f"refusing to load global {module}.{name}")
-
-
-def _numeric_dtype(*args) -> np.dtype:
-    """`numpy.dtype(*args)` for the pickle loader; object and other non-numeric dtypes refused."""
-    dtype = np.dtype(*args)
-    if dtype.kind not in "biuf":
-        raise pickle.UnpicklingError(f"refusing non-numeric numpy dtype {dtype!s}")
-    return dtype
-
-
-def _latin1_bytes(text: str, encoding: str) -> bytes:
-    """`_codecs.encode(text, "latin1")` for the pickle loader; nothing else."""
-    if not isinstance(text, str) or encoding != "latin1":
-        raise pickle.UnpicklingError(f"refusing _codecs.encode with encoding {encoding!r}")
-    return text.encode("latin1")
-
-
-def load_pickle(path: str | os.PathLike) -> object:
-    """Load a pickle that may only contain builtin containers and numeric numpy arrays.
-
-    Args:
-        path: the pickle file (e.g. a CIFAR batch). Python 2 pickles are read with bytes keys.
-
-    Returns:
-        The unpickled object.
-
-    Raises:
-        ValueError: naming the file, if it is not such a pickle (truncated, corrupt, or asking for
-            any other global, which is how a pickle would run code).
-    """
-    try:
-        with open(path, "rb") as f:
-            return _SafeUnpickler(f, encoding="bytes").load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as err:
-        raise ValueError(f"{path}: not a plain-data pickle ({err})") from None
-
-
-def _cifar_split(folder: Path, files: list[str], label_key: bytes
+def _cifar_split(folder: Path, files: list[str], label_key: bytes, num_classes: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate CIFAR batch files into (uint8 (N, 3, 32, 32), int64 (N,))."""
     images, labels = [], []
     for file in files:
-        batch = load_pickle(folder / file)
-        if not isinstance(batch, dict) or b"data" not in batch or label_key not in batch:
-            raise ValueError(f"{folder / file}: expected a dict with b'data' and {label_key!r}")
-        data = np.asarray(batch[b"data"], dtype=np.uint8)
-        if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(batch[label_key]) != len(data):
-            raise ValueError(
-                f"{folder / file}: expected data (N, 3072) and N labels, got data {data.shape} "
-                f"and {len(batch[label_key])} labels"
-            )
-        images.append(torch.from_numpy(data.reshape(-1, 3, 32, 32).copy()))
-        labels.append(torch.as_tensor(list(batch[label_key]), dtype=torch.int64))
+        x, y = _cifar_batch(folder / file, load_pickle(folder / file), label_key, num_classes)
+        images.append(x)
+        labels.append(y)
     return torch.cat(images), torch.cat(labels)
+
+
+def _cifar_batch(path: Path, batch: object, label_key: bytes, num_classes: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One checked CIFAR batch: data an integer (N, 3072) array of 0..255, N integer labels in
+    [0, num_classes); returns (uint8 (N, 3, 32, 32), int64 (N,)). Errors name the file."""
+    if not isinstance(batch, dict) or b"data" not in batch or label_key not in batch:
+        raise ValueError(f"{path}: expected a dict with b'data' and {label_key!r}")
+    images = _cifar_pixels(path, batch[b"data"])
+    labels = _cifar_labels(path, batch[label_key], label_key, num_classes)
+    if len(labels) != len(images):
+        raise ValueError(f"{path}: expected {len(images)} labels (one per image), "
+                         f"got {len(labels)}")
+    return images, labels
+
+
+def _cifar_pixels(path: Path, data: object) -> torch.Tensor:
+    """An integer (N, 3072) array of values 0..255 -> uint8 (N, 3, 32, 32)."""
+    if not isinstance(data, np.ndarray) or data.dtype.kind not in "ui" or data.ndim != 2 \
+            or data.shape[1] != 3 * 32 * 32:
+        found = f"{data.dtype} {data.shape}" if isinstance(data, np.ndarray) else type(data).__name__
+        raise ValueError(f"{path}: expected data as an integer array (N, 3072), got {found}")
+    if data.size and not 0 <= int(data.min()) <= int(data.max()) <= 255:
+        raise ValueError(f"{path}: expected pixel values in 0..255, got {data.min()}..{data.max()}")
+    return torch.from_numpy(data.astype(np.uint8).reshape(-1, 3, 32, 32))
+
+
+def _cifar_labels(path: Path, labels: object, label_key: bytes, num_classes: int) -> torch.Tensor:
+    """A list (or 1-D integer array) of ints in [0, num_classes) -> int64 (N,)."""
+    if isinstance(labels, np.ndarray) and labels.ndim == 1 and labels.dtype.kind in "ui":
+        labels = labels.tolist()
+    if not isinstance(labels, list) or any(type(v) is not int for v in labels):
+        raise ValueError(f"{path}: expected {label_key!r} as a list of integers")
+    if labels and not 0 <= min(labels) <= max(labels) < num_classes:
+        raise ValueError(f"{path}: labels outside [0, {num_classes}): "
+                         f"{min(labels)}..{max(labels)}")
+    return torch.tensor(labels, dtype=torch.int64)
 
 
 def load_cifar(name: str, data_dir: str | os.PathLike | None = None, *,
@@ -205,11 +180,8 @@ def load_cifar(name: str, data_dir: str | os.PathLike | None = None, *,
             f"fetch {spec['url']}, unpack that archive into {root}, or point --data-dir / "
             "$FREQACT_DATA at the folder that holds it"
         )
-    train_x, train_y = _cifar_split(folder, spec["train"], spec["label_key"])
-    test_x, test_y = _cifar_split(folder, spec["test"], spec["label_key"])
-    for split, labels in (("train", train_y), ("test", test_y)):
-        if labels.numel() and not 0 <= int(labels.min()) <= int(labels.max()) < spec["num_classes"]:
-            raise ValueError(f"{folder}: {split} labels outside [0, {spec['num_classes']})")
+    train_x, train_y = _cifar_split(folder, spec["train"], spec["label_key"], spec["num_classes"])
+    test_x, test_y = _cifar_split(folder, spec["test"], spec["label_key"], spec["num_classes"])
     return Dataset(name, train_x, train_y, test_x, test_y, spec["num_classes"],
                    _CIFAR_MEAN[name], _CIFAR_STD[name], augment=True)
 
@@ -228,6 +200,7 @@ def download_cifar(name: str, data_dir: str | os.PathLike | None = None, *,
 
     Raises:
         FileNotFoundError: if the server cannot be reached or the archive's md5 is wrong.
+        ValueError: if the archive cannot be unpacked safely (see `_unpack`).
     """
     _validate.choice("name", name, tuple(_CIFAR))
     spec = _CIFAR[name]
@@ -252,10 +225,41 @@ def download_cifar(name: str, data_dir: str | os.PathLike | None = None, *,
                 "the download is corrupt, try again"
             )
         archive.seek(0)
-        with tarfile.open(fileobj=archive, mode="r:gz") as tar:
-            # "data" filter: no absolute paths, links out of the tree or device files.
-            tar.extractall(root, filter="data")
+        _unpack(archive, spec["folder"], root, spec["url"])
     return root / spec["folder"]
+
+
+def _unpack(archive, folder: str, root: Path, source: str) -> None:
+    """Extract `folder` of a .tar.gz into `root`: nothing but that folder ever lands there.
+
+    The archive goes into a fresh temporary folder beside the target, then `folder` is moved into
+    place whole (one rename). When `root/folder` already exists (some files missing), only the
+    missing files are moved in: an existing file is never overwritten, and members outside
+    `folder` are dropped with the temporary folder.
+
+    Raises:
+        ValueError: one line naming `source`, if the archive is not a clean tar.gz (the `data`
+            filter refuses absolute paths, links out of the tree, devices) or lacks `folder`.
+    """
+    scratch = Path(tempfile.mkdtemp(dir=root, prefix=".freqact-unpack-"))
+    try:
+        try:
+            with tarfile.open(fileobj=archive, mode="r:gz") as tar:
+                tar.extractall(scratch, filter="data")
+        except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib.error) as err:
+            raise ValueError(f"{source}: cannot unpack the archive safely "
+                             f"({type(err).__name__}: {err})") from None
+        unpacked, target = scratch / folder, root / folder
+        if not unpacked.is_dir() or unpacked.is_symlink():
+            raise ValueError(f"{source}: the archive holds no folder {folder}")
+        if not target.exists():
+            os.rename(unpacked, target)
+            return
+        for path in sorted(unpacked.iterdir()):
+            if not (target / path.name).exists() and path.is_file() and not path.is_symlink():
+                os.rename(path, target / path.name)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def load_digits(shape: tuple[int, int, int] = (3, 32, 32), *,
