@@ -23,6 +23,11 @@ import torch
 from freqact import models
 
 FORMAT = "freqact-ckpt-1"
+# The most classes a stored config may ask a rebuilt model for (ImageNet-21k has 21,841).
+MAX_CLASSES = 100_000
+# Types of the stored config fields the analyses read (None is accepted where a run has none).
+_CONFIG_TYPES = {"dataset": (str,), "mode": (str,), "data_dir": (str,), "subset": (int,),
+                 "seed": (int,), "batch_size": (int,), "epochs": (int,)}
 
 
 def atomic_write(path: str | os.PathLike, data: bytes) -> None:
@@ -152,16 +157,43 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"
         num_classes=config["num_classes"])` with the checkpoint's weights, and the checkpoint dict.
 
     Raises:
-        ValueError: if the file is not a checkpoint, or its weights do not fit the named model.
+        ValueError: if the file is not a checkpoint, its config is not one `freqact train` writes
+            (checked before anything is built: a known model, 1 <= num_classes <= MAX_CLASSES,
+            ...), or its weights do not fit the named model.
     """
     ckpt = load(path)
-    config = ckpt.get("config")
-    if not isinstance(config, dict) or not {"model", "num_classes"} <= config.keys():
-        raise ValueError(f"{path}: its config lacks 'model' and 'num_classes' "
-                         "(not written by freqact train)")
+    config = _checked_config(path, ckpt)
+    if not isinstance(ckpt.get("model"), dict):
+        raise ValueError(f"{path}: expected its 'model' entry to be a state dict")
     model = models.get(config["model"], num_classes=config["num_classes"])
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as err:
         raise ValueError(f"{path}: weights do not fit model {config['model']!r}: {err}") from None
     return model.to(device).eval(), ckpt
+
+
+def _checked_config(path, ckpt: dict) -> dict:
+    """The checkpoint's config, its fields checked before a model is built from them.
+
+    A crafted config must not make the rebuild allocate (num_classes = 10**9 is a 10**9-row
+    classifier) nor reach code paths with values of the wrong type.
+    """
+    config = ckpt.get("config")
+    if not isinstance(config, dict) or not {"model", "num_classes"} <= config.keys():
+        raise ValueError(f"{path}: its config lacks 'model' and 'num_classes' "
+                         "(not written by freqact train)")
+    if config["model"] not in models.names():
+        raise ValueError(f"{path}: config model: expected one of {', '.join(models.names())}, "
+                         f"got {config['model']!r}")
+    classes = config["num_classes"]
+    if isinstance(classes, bool) or not isinstance(classes, int) or not 1 <= classes <= MAX_CLASSES:
+        raise ValueError(f"{path}: config num_classes: expected an integer in [1, {MAX_CLASSES}], "
+                         f"got {classes!r}")
+    for key, types in _CONFIG_TYPES.items():
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) is not (bool in types)
+                                  or not isinstance(value, types)):
+            raise ValueError(f"{path}: config {key}: expected "
+                             f"{' or '.join(t.__name__ for t in types)}, got {value!r}")
+    return config

@@ -107,3 +107,20 @@ def test_model_after_its_block_closed_is_plain_pytorch_again():
     with freqact.compress(model, "division") as meter:
         model(x)
     assert meter.ratio > 1
+
+
+def test_a_second_writer_of_a_run_directory_gets_one_line_and_exit_2(tmp_path, capsys):
+    """Two `freqact train --out RUN` at once would mix their checkpoints: the second is refused
+    while the first holds RUN's lock (here this process, through a descriptor of its own)."""
+    from freqact.rundir import RunDir
+    from tests.robustness.helpers import run_cli
+
+    out = tmp_path / "run"
+    argv = ["train", "--model", "mlp", "--dataset", "synthetic", "--epochs", "1", "--subset", "16",
+            "--batch-size", "16", "--out", out, "--device", "cpu", "--save-epochs"]
+    with RunDir(out).lock():
+        code, err = run_cli(argv, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"{out} is in use by another freqact process" in err
+    assert not (out / "ckpt").exists()
+    assert run_cli(argv, capsys)[0] == 0  # the lock went with its holder

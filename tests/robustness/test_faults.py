@@ -165,3 +165,82 @@ def test_sigkill_mid_epoch_then_resume_loses_at_most_that_epoch(tmp_path):
     assert rows[:len(before)] == before
     assert checkpoint.load(last)["epoch"] == epochs
     assert not list(out.rglob("*.tmp"))
+
+
+# ---- issue 15.4: one writer per run directory, no silent restart, clean interrupts ----------------
+
+def test_resume_without_last_pt_continues_from_the_newest_epoch_checkpoint(tmp_path, capsys):
+    """Losing last.pt must not restart from epoch 1 over the kept epoch checkpoints."""
+    train.train(tiny_config(tmp_path, epochs=3, save_epochs=[1, 2]), model=tiny())
+    run = tmp_path / "run"
+    reference = train.read_metrics(run)
+    (run / "ckpt" / "last.pt").unlink()
+    (run / "ckpt" / "epoch-0002.pt").write_bytes(b"damaged")
+    capsys.readouterr()
+    results = train.train(tiny_config(tmp_path, epochs=3, save_epochs=[1, 2], resume=True),
+                          model=tiny())
+    printed = capsys.readouterr().out
+    assert "skipping" in printed and "epoch-0002.pt" in printed
+    assert "continuing" in printed and "after epoch 1 from epoch-0001.pt (last.pt is missing)" in printed
+    assert [m["epoch"] for m in results["metrics"]] == [1, 2, 3]
+    assert results["metrics"][0] == reference[0]
+    assert checkpoint.load(run / "ckpt" / "epoch-0002.pt")["epoch"] == 2  # rewritten, whole
+
+
+def test_resume_says_from_which_epoch_it_continues(tmp_path, capsys):
+    train.train(tiny_config(tmp_path, epochs=1), model=tiny())
+    capsys.readouterr()
+    train.train(tiny_config(tmp_path, epochs=1, resume=True), model=tiny())
+    assert f"resume: continuing {tmp_path / 'run'} after epoch 1 from last.pt; nothing left" in (
+        capsys.readouterr().out)
+    code, _ = run_cli(["train", "--model", "mlp", "--dataset", "synthetic", "--epochs", "1",
+                       "--subset", "16", "--batch-size", "16", "--out", tmp_path / "new",
+                       "--device", "cpu", "--save-epochs", "--resume"], capsys)
+    assert code == 0
+
+
+def test_epoch_checkpoints_without_resume_are_not_overwritten(tmp_path, capsys):
+    train.train(tiny_config(tmp_path, epochs=1, save_epochs=[1]), model=tiny())
+    (tmp_path / "run" / "ckpt" / "last.pt").unlink()
+    with pytest.raises(ValueError, match="already holds a run; pass --resume"):
+        train.train(tiny_config(tmp_path, epochs=1, save_epochs=[1]), model=tiny())
+    capsys.readouterr()
+
+
+def test_empty_out_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, err = run_cli(["train", "--model", "mlp", "--dataset", "synthetic", "--out", "",
+                         "--device", "cpu"], capsys)
+    assert code == 2 and "out: expected a run directory path" in err
+    assert len(err.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupt_prints_one_line_and_keeps_the_checkpoints(tmp_path, sig, code):
+    out, epochs = tmp_path / "run", 40
+    argv = [sys.executable, "-m", "freqact", "train", "--model", "mlp", "--dataset", "synthetic",
+            "--mode", "division", "--epochs", str(epochs), "--subset", "256", "--batch-size", "16",
+            "--out", str(out), "--device", "cpu", "--save-every", "1", "--save-epochs"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "ckpt" / "last.pt").exists() and proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        time.sleep(0.2)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == code, err
+    kept = checkpoint.load(out / "ckpt" / "last.pt")
+    assert err.strip() == (f"freqact train: interrupted after epoch {kept['epoch']}; "
+                           "rerun with --resume")
+    for path in sorted((out / "ckpt").glob("*.pt")):
+        assert checkpoint.load(path)["epoch"] <= kept["epoch"], path
+    assert [r["epoch"] for r in train.read_metrics(out)] == list(range(1, kept["epoch"] + 1))
+    assert not list(out.rglob("*.tmp"))

@@ -1,0 +1,152 @@
+"""freqact.rundir: the layout, readers and writers, finished/resumable, the lock, resume choice."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from freqact import checkpoint, rundir, train
+from freqact.rundir import RunDir
+
+
+def _ckpt(epoch: int) -> dict:
+    return {"format": checkpoint.FORMAT, "epoch": epoch, "config": {"model": "mlp"},
+            "model": {"w": torch.full((2,), float(epoch))}, "metrics": []}
+
+
+def test_layout_is_the_documented_one(tmp_path):
+    run = RunDir(tmp_path / "run")
+    assert run.config_path == tmp_path / "run" / "config.json"
+    assert run.metrics_jsonl.name == "metrics.jsonl" and run.metrics_csv.name == "metrics.csv"
+    assert run.last == tmp_path / "run" / "ckpt" / "last.pt"
+    assert run.epoch_path(7) == tmp_path / "run" / "ckpt" / "epoch-0007.pt"
+    assert run.checkpoints() == [] and not run.has_state()
+
+
+def test_an_old_run_directory_written_by_hand_reads_back(tmp_path):
+    """Files in the format train wrote before RunDir existed (indented JSON, CSV + JSON lines)."""
+    (tmp_path / "ckpt").mkdir()
+    config = {"model": "mlp", "mode": "division", "epochs": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config, indent=2))
+    rows = [{c: (i if c == "epoch" else 0.5) for c in train.METRIC_COLUMNS} for i in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name in ("epoch-0002.pt", "epoch-0001.pt", "last.pt"):
+        (tmp_path / "ckpt" / name).write_bytes(b"")
+    run = RunDir(tmp_path)
+    assert run.read_config() == config and run.read_metrics() == rows
+    assert [p.name for p in run.checkpoints()] == ["epoch-0001.pt", "epoch-0002.pt"]
+    assert run.finished(2) and not run.finished(3)
+    assert run.state(config, 2) == "finished" and run.state(config, 3) == "partial"
+
+
+def test_write_metrics_gives_the_csv_and_json_lines_train_always_wrote(tmp_path):
+    run = RunDir(tmp_path)
+    rows = [{**dict.fromkeys(train.METRIC_COLUMNS), "epoch": 1, "train_loss": 0.25}]
+    run.write_metrics(rows)
+    assert run.metrics_jsonl.read_text() == json.dumps(rows[0]) + "\n"
+    with run.metrics_csv.open(newline="") as f:
+        table = list(csv.reader(f))
+    assert table[0] == list(train.METRIC_COLUMNS) and table[1][:3] == ["1", "", "0.25"]
+    assert run.read_metrics() == rows
+
+
+@pytest.mark.parametrize("line, match", [
+    ("{not json", "line 2: not valid JSON"),
+    ("[1, 2]", "line 2: expected a JSON object"),
+    ('{"epoch": "2"}', "line 2: epoch: expected an integer"),
+    ('{"epoch": 2, "test_acc": "high"}', "line 2: test_acc: expected a number"),
+    ('{"epoch": 2, "test_acc": true}', "line 2: test_acc: expected a number"),
+])
+def test_a_bad_metrics_line_is_named_by_file_and_line(tmp_path, line, match):
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 1, "test_acc": 0.5}\n' + line + "\n")
+    with pytest.raises(ValueError, match=rf"metrics\.jsonl {match}"):
+        RunDir(tmp_path).read_metrics(numbers=("test_acc",))
+
+
+def test_huge_or_deeply_nested_run_files_are_refused_naming_them(tmp_path):
+    run = RunDir(tmp_path)
+    run.config_path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON \(nested too deeply\)"):
+        run.read_config()
+    with open(run.config_path, "wb") as f:
+        f.truncate(rundir.MAX_CONFIG_BYTES + 1)
+    with pytest.raises(ValueError, match=r"config\.json: larger than"):
+        run.read_config()
+
+
+def test_resumable_lists_every_differing_field(tmp_path):
+    saved = {"lr": 0.1, "bits": 2, "device": "cpu"}
+    rundir.check_resumable(saved, {**saved, "device": "cuda"}, tmp_path)  # may change
+    with pytest.raises(ValueError, match=r"other settings \(lr: 0.1 -> 0.5; bits: 2 -> 4\)"):
+        rundir.check_resumable(saved, {**saved, "lr": 0.5, "bits": 4}, tmp_path)
+
+
+def test_empty_path_is_refused():
+    with pytest.raises(ValueError, match="out: expected a run directory path, got ''"):
+        RunDir("")
+
+
+def test_lock_is_exclusive_and_released(tmp_path):
+    run = RunDir(tmp_path / "run")
+    with run.lock():
+        with pytest.raises(rundir.RunDirBusy, match=rf"{tmp_path / 'run'} is in use"):
+            with run.lock():
+                pass
+    with run.lock():  # released on exit
+        pass
+
+
+def test_lock_of_a_killed_process_does_not_block(tmp_path):
+    """flock dies with its process: a crashed (SIGKILLed) writer leaves no blocking lock."""
+    run = RunDir(tmp_path / "run")
+    holder = ("import sys, time; from freqact.rundir import RunDir\n"
+              "with RunDir(sys.argv[1]).lock():\n    print('locked', flush=True); time.sleep(60)")
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen([sys.executable, "-c", holder, str(run.path)], stdout=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        with pytest.raises(rundir.RunDirBusy):
+            with run.lock():
+                pass
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            with run.lock():
+                break
+        except rundir.RunDirBusy:
+            assert time.monotonic() < deadline, "the dead process's lock still blocks"
+            time.sleep(0.05)
+    assert run.lock_path.exists()
+
+
+def test_resume_checkpoint_takes_last_else_the_newest_loadable_epoch(tmp_path):
+    run = RunDir(tmp_path)
+    assert run.resume_checkpoint() == (None, None, [])
+    for epoch in (1, 2, 3):
+        checkpoint.save(run.epoch_path(epoch), _ckpt(epoch))
+    run.epoch_path(3).write_bytes(b"truncated")
+    path, ckpt, notes = run.resume_checkpoint()
+    assert path == run.epoch_path(2) and ckpt["epoch"] == 2
+    assert len(notes) == 1 and "epoch-0003.pt" in notes[0]
+    checkpoint.save(run.last, _ckpt(3))
+    assert run.resume_checkpoint()[0] == run.last
+    run.last.write_bytes(b"garbage")  # the newest state is never skipped silently
+    with pytest.raises(ValueError, match="last.pt"):
+        run.resume_checkpoint()
+    run.last.unlink()
+    for epoch in (1, 2):
+        run.epoch_path(epoch).write_bytes(b"x")
+    with pytest.raises(ValueError, match="no last.pt and no loadable epoch checkpoint"):
+        run.resume_checkpoint()
