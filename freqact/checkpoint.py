@@ -56,6 +56,25 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> None:
         os.close(dir_fd)
 
 
+def read_bounded(path: str | os.PathLike, limit: int, what: str = "a file freqact reads") -> bytes:
+    """The bytes of `path`, refused past `limit` bytes without ever holding more than that.
+
+    Read in 1 MiB chunks: `f.read(limit)` would allocate `limit` bytes up front, and the file's
+    stated size says nothing for pipes or devices.
+
+    Raises:
+        ValueError: naming the file, if it is larger than `limit` bytes.
+    """
+    chunks, total = [], 0
+    with open(path, "rb") as f:
+        while chunk := f.read(min(1 << 20, limit + 1 - total)):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise ValueError(f"{path}: larger than {limit} bytes; not {what}")
+    return b"".join(chunks)
+
+
 def remove_stale_temps(folder: str | os.PathLike) -> list[Path]:
     """Delete the temporary files `atomic_write` left in `folder` when its process was killed.
 

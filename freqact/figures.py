@@ -167,6 +167,10 @@ def make_all(
     runs = [Path(r) for r in run_dirs]
     configs = [rundir.RunDir(r).read_config() for r in runs]
     labels = _unique_labels([run_label(c) for c in configs], runs)
+    # every run's metrics are read (and checked) before anything is computed
+    metrics = [{"run": label, **row}
+               for label, r in zip(labels, runs)
+               for row in rundir.RunDir(r).read_metrics(numbers=TRAINING_COLUMNS)]
     main_run = _analysis_run(runs, configs, analysis_run)
     out = Path(out)
     say = progress or (lambda line: None)
@@ -180,9 +184,6 @@ def make_all(
     say("memory: bytes cached per layer, one training batch per run")
     memory = [{"run": label, **row} for label, path in zip(labels, map(_last_checkpoint, runs))
               for row in layer_memory(path, images=memory_images, data_dir=data_dir, device=device)]
-    metrics = [{"run": label, **row}
-               for label, r in zip(labels, runs)
-               for row in rundir.RunDir(r).read_metrics(numbers=TRAINING_COLUMNS)]
     totals = memory_totals(memory)
     made["training"] = _figure(
         "training", out, metrics, lambda rows, stem: plots.training_figure(rows, stem, memory=totals))

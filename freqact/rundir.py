@@ -272,10 +272,7 @@ def check_resumable(saved: dict, current: dict, where: str | os.PathLike) -> Non
 
 def _read_text(path: Path, limit: int) -> str:
     """The UTF-8 text of `path`, refused past `limit` bytes (errors name the file)."""
-    with open(path, "rb") as f:
-        raw = f.read(limit + 1)
-    if len(raw) > limit:
-        raise ValueError(f"{path}: larger than {limit} bytes; not a file freqact wrote")
+    raw = checkpoint.read_bounded(path, limit, "a file freqact wrote")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:

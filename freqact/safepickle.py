@@ -12,6 +12,8 @@ import struct
 
 import numpy as np
 
+from freqact.checkpoint import read_bounded
+
 # Bounds on a pickle freqact reads: CIFAR-100's training file is 155 MB and memoises ~100k objects.
 MAX_PICKLE_BYTES = 1 << 30
 MAX_PICKLE_MEMO = 1 << 22
@@ -123,10 +125,7 @@ def load_pickle(path: str | os.PathLike) -> object:
             asking for absurd sizes, or for any other global, which is how a pickle would run
             code).
     """
-    with open(path, "rb") as f:
-        raw = f.read(MAX_PICKLE_BYTES + 1)
-    if len(raw) > MAX_PICKLE_BYTES:
-        raise ValueError(f"{path}: larger than {MAX_PICKLE_BYTES} bytes; not a CIFAR batch")
+    raw = read_bounded(path, MAX_PICKLE_BYTES, "a data file")
     try:
         return _SafeUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except _PICKLE_ERRORS as err:

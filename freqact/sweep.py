@@ -69,7 +69,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from freqact import _validate, distributed, rundir, train
+from freqact import _validate, checkpoint, distributed, rundir, train
 
 SPEC_KEYS = ("name", "description", "base", "grid", "variants")
 # RunConfig fields the sweep sets itself.
@@ -224,10 +224,10 @@ def _check_count(variants: int, grid: dict) -> None:
 
 def _folder_name(name: object) -> str:
     """The spec's `name`, checked to be one folder name (it names `sweeps/<name>`)."""
+    if isinstance(name, str) and (name in (".", "..") or any(c in name for c in "/\\\0")):
+        raise ValueError(f"name: expected one folder name (no '/', '\\' or '..'), got {name!r}")
     if not isinstance(name, str) or not _slug(name):
         raise ValueError(f"name: expected a non-empty string, got {name!r}")
-    if name in (".", "..") or any(c in name for c in "/\\\0") or Path(name).is_absolute():
-        raise ValueError(f"name: expected one folder name (no '/', '\\' or '..'), got {name!r}")
     return name
 
 
@@ -391,11 +391,10 @@ def write_results(study: Study, rows: Sequence[dict]) -> list[Path]:
 
 def _read_spec_text(path: Path) -> str:
     """A spec file's text, refused past MAX_SPEC_BYTES or when it is not UTF-8."""
-    with open(path, "rb") as f:
-        raw = f.read(MAX_SPEC_BYTES + 1)
-    if len(raw) > MAX_SPEC_BYTES:
-        raise ValueError(f"spec: {path} is larger than {MAX_SPEC_BYTES} bytes; a spec is a few "
-                         "lines")
+    try:
+        raw = checkpoint.read_bounded(path, MAX_SPEC_BYTES, "a spec (a few lines)")
+    except ValueError as err:
+        raise ValueError(f"spec: {err}") from None
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
