@@ -16,7 +16,9 @@ Data: whole datasets are moved to the device once as uint8 tensors; each epoch's
 from a `DistributedSampler` seeded with (seed, epoch) (also with one process; under torchrun it
 pads the order by repeating a few indices so every rank gets as many), batches are gathered by
 index on the device and augmented/normalised there; the last, smaller batch is kept. `workers` is
-accepted for command-line compatibility but unused: there is no loader to parallelise.
+accepted for command-line compatibility but unused: there is no loader to parallelise. Progress
+within an epoch: a tqdm bar on a terminal, else a line every ~10 % of the epoch (or `log_every`
+steps).
 
 Determinism and resume: every epoch ends with `ckpt/last.pt` holding model, optimizer, scheduler,
 GradScaler, the torch (and CUDA) RNG states and the augmentation generator of every rank, and the
@@ -24,8 +26,14 @@ metrics so far. Resuming restores all of them, so on the CPU with a fixed seed t
 metrics equal an uninterrupted run's, except the timing columns (epoch_time_s, images_per_s). On
 CUDA, nondeterministic kernels (cuDNN autotuning, atomics in backward) make runs differ in the last
 bits with or without a resume. A resume needs the same number of ranks (the RNG states are per
-rank) and the same training settings; only device, workers, out, data_dir, download and the
-checkpoint cadence may change.
+rank) and the same training settings; only device, workers, out, data_dir, download, log_every and
+the checkpoint cadence may change. Without `ckpt/last.pt` a resume continues from the newest
+loadable `ckpt/epoch-XXXX.pt` (and says so); it always prints the epoch it continues after.
+
+One writer per run directory: rank 0 holds `RunDir.lock()` for the whole run, so a second `train`
+with the same `out` is refused (`rundir.RunDirBusy`). SIGINT and SIGTERM raise `Interrupted`
+(after the epoch's files are written if they arrive during the writing), so every checkpoint on
+disk stays whole; `freqact train` turns it into one line and exit code 130 / 143.
 
 Under `torchrun` (see `freqact.distributed`) each rank trains on its shard of every epoch with a
 per-rank batch of batch_size / world_size, compresses its own activations, and the model is

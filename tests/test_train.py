@@ -202,3 +202,20 @@ def test_real_cifar_smoke(tmp_path, cifar_dir):
                                   subset=128, mode="division"), model=_tiny())
     assert results["final"]["epoch"] == 1
     assert torch.isfinite(torch.tensor(results["final"]["test_loss"]))
+
+
+def test_progress_lines_off_a_terminal_every_tenth_of_an_epoch_or_log_every(tmp_path, capsys):
+    """pytest's stdout is not a terminal: ~10 lines per epoch, or one per `log_every` steps."""
+    train.train(_config(tmp_path, subset=320, batch_size=16, out=str(tmp_path / "a")),
+                model=_tiny())  # 20 steps: a line every 2 steps but the last
+    lines = [line for line in capsys.readouterr().out.splitlines() if "step" in line]
+    assert [line.split("step ")[1].split()[0] for line in lines] == [
+        f"{k}/20" for k in range(2, 20, 2)]
+    assert lines[0].startswith("  epoch 1/1 step 2/20  train loss ")
+    train.train(_config(tmp_path, subset=320, batch_size=16, log_every=7,
+                        out=str(tmp_path / "b")), model=_tiny())
+    lines = [line for line in capsys.readouterr().out.splitlines() if "step" in line]
+    assert [line.split("step ")[1].split()[0] for line in lines] == ["7/20", "14/20"]
+    with pytest.raises(ValueError, match="log_every"):
+        _config(tmp_path, log_every=0)
+    assert cli.build_parser().parse_args(["train", "--log-every", "5"]).log_every == 5
