@@ -558,8 +558,10 @@ def _run_lane(configs: Sequence[train.RunConfig], device: str | None,
             train.train(dataclasses.replace(config, device=device))
             (Path(config.out) / "error.log").unlink(missing_ok=True)  # an earlier attempt's
         except Exception as err:  # one bad run must not cost the others; reported at the end
-            Path(config.out).mkdir(parents=True, exist_ok=True)
-            (Path(config.out) / "error.log").write_text(traceback.format_exc(), encoding="utf-8")
+            if not isinstance(err, rundir.RunDirBusy):  # a busy directory is another's to write
+                Path(config.out).mkdir(parents=True, exist_ok=True)
+                (Path(config.out) / "error.log").write_text(traceback.format_exc(),
+                                                            encoding="utf-8")
             failed.append((config.out, f"{type(err).__name__}: {err}"))
     return failed
 

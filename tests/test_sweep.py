@@ -304,3 +304,16 @@ def test_cli_bad_spec_exits_2_with_one_line(tmp_path, capsys):
     assert cli.main(["sweep", str(tmp_path / "s.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "grid.seed" in err
+
+
+def test_a_run_another_process_is_writing_fails_alone_and_is_left_alone(tmp_path):
+    from freqact.rundir import RunDir
+
+    study = sweep.expand(_spec(), tmp_path / "out")
+    busy = study.runs[0].run_dir
+    with RunDir(busy).lock():
+        outcome = sweep.run(_spec(), tmp_path / "out", device="cpu")
+    assert [run_dir for run_dir, _ in outcome["failed"]] == [str(busy)]
+    assert "in use by another freqact process" in outcome["failed"][0][1]
+    assert not (busy / "error.log").exists() and not (busy / "ckpt").exists()
+    assert outcome["rows"][1]["seeds"] == 1  # the other run trained
