@@ -244,7 +244,7 @@ def _run(config: RunConfig, ctx: distributed.Context, model: torch.nn.Module | N
     if config.batch_size % ctx.world_size:
         raise ValueError(f"batch_size: expected a multiple of the {ctx.world_size} ranks, "
                          f"got {config.batch_size}")
-    if model is None:  # a typo fails before the run directory is created
+    if model is None:  # a typo lists the known models, before the run directory is created
         _validate.choice("model", config.model, tuple(models.names()))
     run = rundir.RunDir(config.out)
     with _writer_lock(run, ctx), _Interrupts() as interrupts:
@@ -273,7 +273,7 @@ def _setup(config: RunConfig, ctx: distributed.Context, model: torch.nn.Module |
     """Model, data, optimizer, schedule, scaler and sampler of a fresh run."""
     num_classes = 100 if config.dataset == "cifar100" else 10
     torch.manual_seed(config.seed)  # same initial weights on every rank
-    net = model if model is not None else _build_model(config.model, num_classes)
+    net = model if model is not None else models.get(config.model, num_classes=num_classes)
     torch.manual_seed(config.seed + ctx.rank)  # then per-rank streams for dropout / codec noise
     net.to(ctx.device)
     if ctx.is_main and config.download:  # one rank downloads, the others wait and then read
@@ -510,12 +510,6 @@ def _compressing(net: torch.nn.Module, config: RunConfig):
     if config.mode == "normal":
         return contextlib.nullcontext()
     return engine.compress(net, config.mode, **config.codec_params())
-
-
-def _build_model(name: str, num_classes: int) -> torch.nn.Module:
-    """`freqact.models.get` after checking the name, so a typo lists the known models."""
-    _validate.choice("model", name, tuple(models.names()))
-    return models.get(name, num_classes=num_classes)
 
 
 def _eval_batches(ds: data.Dataset, net, ctx: distributed.Context, batch: int) -> Iterator:
