@@ -17,8 +17,20 @@ from freqact.engine import compress
 # --- helpers ------------------------------------------------------------------------------------
 
 
-class Recording(Exact):
-    """The exact codec, remembering every tensor it was asked to encode."""
+class Cloning(codecs.Codec):
+    """A lossless codec that is not `exact`: the engine still applies the 1-bit masks with it."""
+
+    name = "cloning"
+
+    def encode(self, x):
+        return x.clone()
+
+    def decode(self, packed):
+        return packed
+
+
+class Recording(Cloning):
+    """A lossless codec remembering every tensor it was asked to encode."""
 
     def __init__(self) -> None:
         self.seen: list[torch.Tensor] = []
@@ -28,15 +40,15 @@ class Recording(Exact):
         return super().encode(x)
 
 
-class CopyingExact(Exact):
-    """An exact codec that copies (like every compressing codec), counting its encodes."""
+class CopyingExact(Cloning):
+    """A lossless codec that copies (like every compressing codec), counting its encodes."""
 
     def __init__(self) -> None:
         self.encodes = 0
 
     def encode(self, x):
         self.encodes += 1
-        return super().encode(x.clone())
+        return super().encode(x)
 
 
 class Zoo(nn.Module):
@@ -98,24 +110,44 @@ def _param_storages(model):
 # --- exactness ----------------------------------------------------------------------------------
 
 
-def test_exact_bitwise_on_every_module_kind():
-    torch.manual_seed(0)
-    model = Zoo()
-    x = torch.randn(3, 3, 16, 16)
-    plain = _grads(model, x)
-    with compress(model, "exact") as meter:
+def _exact_run(model, x, codec):
+    with compress(model, codec) as meter:
         torch.manual_seed(0)
         loss = model(x).square().sum()
     model.zero_grad(set_to_none=True)
     loss.backward()
-    _assert_bitwise(plain, (loss.detach(), [p.grad for p in model.parameters()]))
+    return meter, (loss.detach(), [p.grad for p in model.parameters()])
+
+
+def test_cheap_routes_bitwise_on_every_module_kind():
+    torch.manual_seed(0)
+    model = Zoo()
+    x = torch.randn(3, 3, 16, 16)
+    plain = _grads(model, x)
+    meter, got = _exact_run(model, x, Cloning())
+    _assert_bitwise(plain, got)
     routes = meter.by_route()
-    for name in ("exact", "relu-mask", "hardtanh-mask", "sign-mask", "dropout-mask",
+    for name in ("cloning", "relu-mask", "hardtanh-mask", "sign-mask", "dropout-mask",
                  "maxpool-indices", "shape-only", "kept"):
         assert routes[name]["count"] >= 1, name
     # ReLU masks: 1 bit per element; MaxPool indices: 1 byte instead of 8.
     assert routes["relu-mask"]["saved_bytes"] * 32 == 3 * 8 * 16 * 16 * 4
     assert routes["maxpool-indices"]["saved_bytes"] == 3 * 8 * 8 * 8
+
+
+def test_exact_bitwise_and_never_holds_more_than_plain():
+    torch.manual_seed(0)
+    model = Zoo()
+    x = torch.randn(3, 3, 16, 16)
+    plain = _grads(model, x)
+    meter, got = _exact_run(model, x, "exact")
+    _assert_bitwise(plain, got)
+    # No activation masks beside the kept storages: held bytes can only be fewer (indices, shapes).
+    assert set(meter.by_route()) == {"exact", "dropout-mask", "maxpool-indices", "shape-only",
+                                     "kept"}
+    assert 0 < meter.saved_bytes < meter.exact_bytes
+    for row in meter.per_layer():
+        assert row.saved_bytes <= row.exact_bytes, row
 
 
 @pytest.mark.slow
@@ -239,8 +271,13 @@ def test_shared_activation_is_packed_once():
     with compress(model, codec) as meter:
         out = model(x)
     assert codec.encodes == 1
-    layers = {row["layer"]: row for row in meter.per_layer()}
-    assert layers["left"]["saved_bytes"] == x.numel() * 4 and layers["right"]["saved_bytes"] == 0
+    layers = {row.layer: row for row in meter.per_layer()}
+    # Charged to the first layer that saved the storage: the ReLU's mask and the conv's copy.
+    plain, mask = x.numel() * 4, x.numel() // 8
+    assert (layers["relu"].saved_bytes, layers["relu"].exact_bytes) == (mask + plain, plain)
+    assert layers["relu"].routes == ("relu-mask",)
+    for name in ("left", "right"):
+        assert layers[name].shared and layers[name].routes == ("cloning",)
     out.sum().backward()
     grad = x.grad.clone()
     x.grad = None
@@ -367,8 +404,10 @@ def test_meter_matches_a_hand_count():
     first = 5 * (math.ceil(2 * 8 / 8) + 2 * 1 + 4)
     second = 5 * (math.ceil(2 * 16 / 8) + 2 * 2 + 4)
     mask = math.ceil(5 * 16 / 8)
-    assert [(r["layer"], r["saved_bytes"], r["exact_bytes"]) for r in meter.per_layer()] == [
-        ("0", first, 5 * 8 * 4), ("1", mask, 5 * 16 * 4), ("2", second, 0)]
+    # The ReLU output saved by "2" is charged, held and plain, to "1", the layer that saved it first.
+    assert [(r.layer, r.routes, r.saved_bytes, r.exact_bytes) for r in meter.per_layer()] == [
+        ("0", ("division",), first, 5 * 8 * 4), ("1", ("relu-mask",), mask + second, 5 * 16 * 4),
+        ("2", ("division",), 0, 0)]
     assert meter.saved_bytes == first + mask + second
     assert meter.exact_bytes == (5 * 8 + 5 * 16) * 4
     assert meter.ratio == meter.exact_bytes / meter.saved_bytes
@@ -396,7 +435,7 @@ def test_include_and_exclude_by_type_and_name():
     with compress(model, rec, include=[nn.Linear]) as meter:
         model(x)
     assert [t.shape[-1] for t in rec.seen] == [18]
-    assert set(meter.by_route()) == {"exact", "kept"}
+    assert set(meter.by_route()) == {"cloning", "kept"}
     rec = Recording()
     with compress(model, rec, exclude=[nn.Conv2d, "fc"]) as meter:
         model(x)
@@ -405,7 +444,8 @@ def test_include_and_exclude_by_type_and_name():
     with compress(model, rec, include=["conv3d", nn.ReLU]) as meter:
         model(x)
     assert [t.dim() for t in rec.seen] == [5]
-    assert set(meter.by_route()) == {"exact", "relu-mask", "kept"}
+    assert set(meter.by_route()) == {"cloning", "relu-mask", "kept"}
+    assert {row.layer for row in meter.per_layer() if "cloning" in row.routes} == {"conv3d"}
 
 
 def test_bad_arguments_name_the_argument():
