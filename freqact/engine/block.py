@@ -102,9 +102,8 @@ def _matches(name: str, module: nn.Module, types: tuple, names: tuple) -> bool:
     return any(n == "" or name == n or name.startswith(n + ".") for n in names)
 
 
-def _whole_model_names() -> list[str]:
-    return [n for n in _codecs.names()
-            if getattr(_codec_base._REGISTRY[n], "whole_model", True)]
+def _whole_model(cls_or_codec) -> bool:
+    return getattr(cls_or_codec, "whole_model", True)
 
 
 def _build_codec(codec, params: dict) -> Codec:
@@ -113,15 +112,18 @@ def _build_codec(codec, params: dict) -> Codec:
         if params:
             raise TypeError(f"params: settings {sorted(params)} are only accepted with a codec "
                             f"name, got a {type(codec).__name__} instance")
+        name = codec.name
     elif isinstance(codec, str):
-        codec = _codecs.get(codec, **params)
+        name = codec
     else:
         raise TypeError(f"codec: expected a codec name or a Codec, got {type(codec).__name__}")
-    if not getattr(codec, "whole_model", True):
+    registry = _codec_base._REGISTRY
+    if not _whole_model(registry.get(name) if isinstance(codec, str) else codec):
         # masks, indices and shape-only are exact only for the tensors the engine routes to them
-        raise ValueError(f"codec: expected a whole-model codec ({', '.join(_whole_model_names())}),"
-                         f" got {codec.name!r} (the engine applies it itself where it is exact)")
-    return codec
+        accepted = ", ".join(n for n in _codecs.names() if _whole_model(registry[n]))
+        raise ValueError(f"codec: expected a whole-model codec ({accepted}), got {name!r} (the "
+                         f"engine applies it itself where it is exact)")
+    return _codecs.get(codec, **params) if isinstance(codec, str) else codec
 
 
 def _kind(name: str, module: nn.Module, include, inc: tuple, exc: tuple) -> Kind:
@@ -270,9 +272,10 @@ class _Compress:
 
     def _pack(self, t: torch.Tensor) -> _Packed:
         site, x = self._stack[-1] if self._stack else (self._root, None)
-        storage = _storage(t)
+        storage = None if t.is_nested else _storage(t)
         if storage is None:
-            # sparse and nested tensors: kept as they are; not one buffer, so not counted in bytes
+            # Sparse and nested tensors: no codec reads them, so they are kept exactly (always
+            # correct); they are not one dense buffer, so they are not counted in bytes.
             self.meter._record(site.name, site.type_name, KEEP.label)
             return _encode(KEEP, t)
         ptr = storage.data_ptr()
