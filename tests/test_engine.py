@@ -11,7 +11,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from freqact import codecs, kernels
-from freqact.codecs.base import Exact
 from freqact.engine import compress
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -160,6 +159,9 @@ def test_exact_bitwise_on_registry_models(name):
     model = models.get(name)
     x = torch.randn(2, *model.input_shape)
     _assert_bitwise(_grads(model, x), _grads(model, x, ctx="exact"))
+    with compress(model, "exact") as meter:
+        model(x)
+    assert 0 < meter.saved_bytes <= meter.exact_bytes
 
 
 def test_retain_graph_decodes_twice_to_the_same_gradients():
@@ -633,9 +635,9 @@ class Scripted(nn.Module):
 
 def test_failed_enter_names_the_cause_and_leaves_nothing_behind():
     model = Scripted()
+    entering = compress(model, "division")
     with pytest.raises(RuntimeError, match=r"cannot hook module 'body' \(RecursiveScriptModule\)"):
-        with compress(model, "division"):
-            pass
+        entering.__enter__()
     assert not model.head._forward_pre_hooks and not model.head._forward_hooks
     plain = nn.Linear(4, 4)
     with compress(plain, "division") as meter:  # no "cannot be nested" left over

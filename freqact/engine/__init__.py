@@ -52,4 +52,4 @@ from freqact.engine.block import compress
 from freqact.engine.meter import LayerRow, Meter
 from freqact.engine.routes import DEFAULT_TYPES, Route
 
-__all__ = ["compress", "Meter", "LayerRow", "Route", "DEFAULT_TYPES"]
+__all__ = ["DEFAULT_TYPES", "LayerRow", "Meter", "Route", "compress"]

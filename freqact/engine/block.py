@@ -14,7 +14,17 @@ from freqact.codecs import base as _codec_base
 from freqact.codecs.base import Codec
 from freqact.engine.meter import Meter
 from freqact.engine.params import ParamIndex
-from freqact.engine.routes import KEEP, PARAMETER, Kind, Route, Routes, Saved, Site, choose, kind_of
+from freqact.engine.routes import (
+    KEEP,
+    PARAMETER,
+    Kind,
+    Route,
+    Routes,
+    Saved,
+    Site,
+    choose,
+    kind_of,
+)
 
 __all__ = ["compress"]
 
@@ -29,7 +39,7 @@ _HOOKED_LOCK = threading.Lock()
 class _Packed:
     """What a SavedVariable holds: its route and packed form (never the input itself)."""
 
-    __slots__ = ("route", "data", "memory_format", "__weakref__")
+    __slots__ = ("__weakref__", "data", "memory_format", "route")
 
     def __init__(self, route: Route, data, memory_format=None) -> None:
         self.route = route
@@ -138,7 +148,7 @@ def _kind(name: str, module: nn.Module, include, inc: tuple, exc: tuple) -> Kind
 
 
 def compress(model: nn.Module, codec: str | Codec = "division", *, include=None, exclude=None,
-             **params) -> "_Compress":
+             **params) -> _Compress:
     """Compress the activations autograd caches during the forward passes run in the block.
 
     Args:

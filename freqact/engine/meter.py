@@ -57,7 +57,7 @@ class LayerRow:
 
 
 class _Totals:
-    __slots__ = ("type", "routes", "saved", "exact", "count")
+    __slots__ = ("count", "exact", "routes", "saved", "type")
 
     def __init__(self, type_name: str = "") -> None:
         self.type, self.routes = type_name, {}
@@ -152,7 +152,7 @@ class Meter:
 
         rule = "-" * len(fmt(head))
         note = ("held: bytes kept for backward with compression; plain: what PyTorch alone keeps.\n"
-                "A storage saved by several layers is charged (held and plain) to the first one; "
+                "A storage saved by several layers is charged (held and plain) to the first one;\n"
                 "\"shared\" rows hold only such storages.")
         return "\n".join([fmt(head), rule, *map(fmt, lines), rule, fmt(total), note])
 

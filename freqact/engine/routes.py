@@ -18,10 +18,15 @@ from torch import nn
 
 from freqact.codecs.base import Codec, Exact
 from freqact.codecs.cheap import (
-    DropoutMask, HardtanhMask, MaxPoolIndices, ReluMask, ShapeOnly, SignMask,
+    DropoutMask,
+    HardtanhMask,
+    MaxPoolIndices,
+    ReluMask,
+    ShapeOnly,
+    SignMask,
 )
 
-__all__ = ["DEFAULT_TYPES", "Kind", "Route", "Routes", "Saved", "Site", "kind_of", "choose"]
+__all__ = ["DEFAULT_TYPES", "Kind", "Route", "Routes", "Saved", "Site", "choose", "kind_of"]
 
 DEFAULT_TYPES: tuple[type[nn.Module], ...] = (
     nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear,
@@ -121,7 +126,7 @@ class Routes:
     sign: Route
 
     @classmethod
-    def for_codec(cls, codec: Codec) -> "Routes":
+    def for_codec(cls, codec: Codec) -> Routes:
         lossless = isinstance(codec, Exact)
         return cls(
             codec=Route("codec", codec),
