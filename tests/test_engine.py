@@ -591,30 +591,19 @@ def test_batchnorm1d_on_features_keeps_gradients(batch):
         assert _rel_grad_error(model, torch.randn(batch, 16)) < 2
 
 
-class ChannelsLast(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, padding=1)
-        self.bn = nn.BatchNorm2d(8)
-        self.relu = nn.ReLU()
-        self.pool = nn.MaxPool2d(2)
-        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
-        self.relu6 = nn.ReLU6()
-        self.leaky = nn.LeakyReLU(0.1)
-        self.avg = nn.AvgPool2d(2)
-        self.adapt = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(8, 3)
-
-    def forward(self, x):
-        x = self.pool(self.relu(self.bn(self.conv(x))))
-        x = self.avg(self.leaky(self.relu6(self.conv2(x))))
-        return self.fc(self.adapt(x).flatten(1))
+def _channels_last_net() -> nn.Module:
+    """Every route that decodes a 4D tensor: codec, masks, max-pool indices, shape-only."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 3, padding=1), nn.ReLU6(), nn.LeakyReLU(0.1), nn.AvgPool2d(2),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3),
+    ).to(memory_format=torch.channels_last)
 
 
 @pytest.mark.parametrize("codec", ["exact", "cloning"])
 def test_channels_last_bitwise(codec):
     torch.manual_seed(0)
-    model = ChannelsLast().to(memory_format=torch.channels_last)
+    model = _channels_last_net()
     x = torch.randn(2, 3, 16, 16).to(memory_format=torch.channels_last)
     plain = _grads(model, x)
     meter, got = _exact_run(model, x, Cloning() if codec == "cloning" else codec)
