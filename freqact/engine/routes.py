@@ -80,14 +80,12 @@ class Route:
     Attributes:
         name: the route's name ("codec", "relu-mask", ..., "keep-exact", "parameter").
         codec: the codec that packs and unpacks the tensor.
-        counted: False for parameters (not activation memory: the meter skips them).
         channels: encode a rank-2 (N, C) tensor transposed, as (C, N): one map per channel over
             the batch, the layout of BatchNorm's statistics.
     """
 
     name: str
     codec: Codec
-    counted: bool = True
     channels: bool = False
 
     @property
@@ -104,7 +102,7 @@ class Route:
 # Kept tensors and parameters go through `Exact`: no copy, and an in-place edit after saving raises
 # at unpack instead of silently changing the gradient (saved-tensor hooks bypass PyTorch's check).
 KEEP = Route("keep-exact", Exact())
-PARAMETER = Route("parameter", Exact(), counted=False)
+PARAMETER = Route("parameter", Exact())  # not activation memory: the meter skips it
 _RELU_MASK = Route("relu-mask", ReluMask())
 _SIGN_MASK = Route("sign-mask", SignMask())
 _DROPOUT_MASK = Route("dropout-mask", DropoutMask())
@@ -122,17 +120,19 @@ class Routes:
 
     codec: Route
     channels: Route
+    masks: bool
     relu: Route
     sign: Route
 
     @classmethod
     def for_codec(cls, codec: Codec) -> Routes:
-        lossless = isinstance(codec, Exact)
+        masks = not isinstance(codec, Exact)
         return cls(
             codec=Route("codec", codec),
             channels=Route("codec", codec, channels=True),
-            relu=KEEP if lossless else _RELU_MASK,
-            sign=KEEP if lossless else _SIGN_MASK,
+            masks=masks,
+            relu=_RELU_MASK if masks else KEEP,
+            sign=_SIGN_MASK if masks else KEEP,
         )
 
 
@@ -152,18 +152,17 @@ class Site:
     module: nn.Module
     kind: Kind
     routes: Routes
-    type_name: str = ""
-    params: tuple = ()
-    hardtanh: Route | None = None
-    maxpool: dict = field(default_factory=dict)
+    type_name: str = field(init=False)
+    params: tuple = field(init=False)
+    hardtanh: Route | None = field(init=False, default=None)
+    maxpool: dict = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.type_name = type(self.module).__name__
         self.params = (tuple(self.module.parameters(recurse=False))
                        + tuple(self.module.buffers(recurse=False)))
         if self.kind is Kind.HARDTANH:
-            lossless = self.routes.relu is KEEP
-            self.hardtanh = KEEP if lossless else Route(
+            self.hardtanh = KEEP if not self.routes.masks else Route(
                 "hardtanh-mask", HardtanhMask(self.module.min_val, self.module.max_val))
 
 
