@@ -119,7 +119,7 @@ def layer_memory(path: str | os.PathLike, *, images: int | None = None,
             del out  # frees the graph and with it the packed activations
     rows = meter.per_layer()
     if config["mode"] == "normal":
-        # plain PyTorch holds exactly the meter's exact_bytes (the `exact` codec still masks ReLUs)
+        # plain PyTorch holds exactly the meter's exact_bytes (`exact` still packs pool indices)
         rows = [{**row, "saved_bytes": row["exact_bytes"], "ratio": 1.0} for row in rows]
     return [{**row, "images": len(x)} for row in rows]
 

@@ -11,14 +11,25 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from freqact import codecs, kernels
-from freqact.codecs.base import Exact
 from freqact.engine import compress
 
 # --- helpers ------------------------------------------------------------------------------------
 
 
-class Recording(Exact):
-    """The exact codec, remembering every tensor it was asked to encode."""
+class Cloning(codecs.Codec):
+    """A lossless codec that is not `exact`: the engine still applies the 1-bit masks with it."""
+
+    name = "cloning"
+
+    def encode(self, x):
+        return x.clone()
+
+    def decode(self, packed):
+        return packed
+
+
+class Recording(Cloning):
+    """A lossless codec remembering every tensor it was asked to encode."""
 
     def __init__(self) -> None:
         self.seen: list[torch.Tensor] = []
@@ -28,15 +39,15 @@ class Recording(Exact):
         return super().encode(x)
 
 
-class CopyingExact(Exact):
-    """An exact codec that copies (like every compressing codec), counting its encodes."""
+class CopyingExact(Cloning):
+    """A lossless codec that copies (like every compressing codec), counting its encodes."""
 
     def __init__(self) -> None:
         self.encodes = 0
 
     def encode(self, x):
         self.encodes += 1
-        return super().encode(x.clone())
+        return super().encode(x)
 
 
 class Zoo(nn.Module):
@@ -98,24 +109,44 @@ def _param_storages(model):
 # --- exactness ----------------------------------------------------------------------------------
 
 
-def test_exact_bitwise_on_every_module_kind():
-    torch.manual_seed(0)
-    model = Zoo()
-    x = torch.randn(3, 3, 16, 16)
-    plain = _grads(model, x)
-    with compress(model, "exact") as meter:
+def _exact_run(model, x, codec):
+    with compress(model, codec) as meter:
         torch.manual_seed(0)
         loss = model(x).square().sum()
     model.zero_grad(set_to_none=True)
     loss.backward()
-    _assert_bitwise(plain, (loss.detach(), [p.grad for p in model.parameters()]))
+    return meter, (loss.detach(), [p.grad for p in model.parameters()])
+
+
+def test_cheap_routes_bitwise_on_every_module_kind():
+    torch.manual_seed(0)
+    model = Zoo()
+    x = torch.randn(3, 3, 16, 16)
+    plain = _grads(model, x)
+    meter, got = _exact_run(model, x, Cloning())
+    _assert_bitwise(plain, got)
     routes = meter.by_route()
-    for name in ("exact", "relu-mask", "hardtanh-mask", "sign-mask", "dropout-mask",
+    for name in ("cloning", "relu-mask", "hardtanh-mask", "sign-mask", "dropout-mask",
                  "maxpool-indices", "shape-only", "kept"):
         assert routes[name]["count"] >= 1, name
     # ReLU masks: 1 bit per element; MaxPool indices: 1 byte instead of 8.
     assert routes["relu-mask"]["saved_bytes"] * 32 == 3 * 8 * 16 * 16 * 4
     assert routes["maxpool-indices"]["saved_bytes"] == 3 * 8 * 8 * 8
+
+
+def test_exact_bitwise_and_never_holds_more_than_plain():
+    torch.manual_seed(0)
+    model = Zoo()
+    x = torch.randn(3, 3, 16, 16)
+    plain = _grads(model, x)
+    meter, got = _exact_run(model, x, "exact")
+    _assert_bitwise(plain, got)
+    # No activation masks beside the kept storages: held bytes can only be fewer (indices, shapes).
+    assert set(meter.by_route()) == {"exact", "dropout-mask", "maxpool-indices", "shape-only",
+                                     "kept"}
+    assert 0 < meter.saved_bytes < meter.exact_bytes
+    for row in meter.per_layer():
+        assert row.saved_bytes <= row.exact_bytes, row
 
 
 @pytest.mark.slow
@@ -128,6 +159,9 @@ def test_exact_bitwise_on_registry_models(name):
     model = models.get(name)
     x = torch.randn(2, *model.input_shape)
     _assert_bitwise(_grads(model, x), _grads(model, x, ctx="exact"))
+    with compress(model, "exact") as meter:
+        model(x)
+    assert 0 < meter.saved_bytes <= meter.exact_bytes
 
 
 def test_retain_graph_decodes_twice_to_the_same_gradients():
@@ -239,8 +273,13 @@ def test_shared_activation_is_packed_once():
     with compress(model, codec) as meter:
         out = model(x)
     assert codec.encodes == 1
-    layers = {row["layer"]: row for row in meter.per_layer()}
-    assert layers["left"]["saved_bytes"] == x.numel() * 4 and layers["right"]["saved_bytes"] == 0
+    layers = {row.layer: row for row in meter.per_layer()}
+    # Charged to the first layer that saved the storage: the ReLU's mask and the conv's copy.
+    plain, mask = x.numel() * 4, x.numel() // 8
+    assert (layers["relu"].saved_bytes, layers["relu"].exact_bytes) == (mask + plain, plain)
+    assert layers["relu"].routes == ("relu-mask",)
+    for name in ("left", "right"):
+        assert layers[name].shared and layers[name].routes == ("cloning",)
     out.sum().backward()
     grad = x.grad.clone()
     x.grad = None
@@ -367,8 +406,10 @@ def test_meter_matches_a_hand_count():
     first = 5 * (math.ceil(2 * 8 / 8) + 2 * 1 + 4)
     second = 5 * (math.ceil(2 * 16 / 8) + 2 * 2 + 4)
     mask = math.ceil(5 * 16 / 8)
-    assert [(r["layer"], r["saved_bytes"], r["exact_bytes"]) for r in meter.per_layer()] == [
-        ("0", first, 5 * 8 * 4), ("1", mask, 5 * 16 * 4), ("2", second, 0)]
+    # The ReLU output saved by "2" is charged, held and plain, to "1", the layer that saved it first.
+    assert [(r.layer, r.routes, r.saved_bytes, r.exact_bytes) for r in meter.per_layer()] == [
+        ("0", ("division",), first, 5 * 8 * 4), ("1", ("relu-mask",), mask + second, 5 * 16 * 4),
+        ("2", ("division",), 0, 0)]
     assert meter.saved_bytes == first + mask + second
     assert meter.exact_bytes == (5 * 8 + 5 * 16) * 4
     assert meter.ratio == meter.exact_bytes / meter.saved_bytes
@@ -396,7 +437,7 @@ def test_include_and_exclude_by_type_and_name():
     with compress(model, rec, include=[nn.Linear]) as meter:
         model(x)
     assert [t.shape[-1] for t in rec.seen] == [18]
-    assert set(meter.by_route()) == {"exact", "kept"}
+    assert set(meter.by_route()) == {"cloning", "kept"}
     rec = Recording()
     with compress(model, rec, exclude=[nn.Conv2d, "fc"]) as meter:
         model(x)
@@ -405,7 +446,8 @@ def test_include_and_exclude_by_type_and_name():
     with compress(model, rec, include=["conv3d", nn.ReLU]) as meter:
         model(x)
     assert [t.dim() for t in rec.seen] == [5]
-    assert set(meter.by_route()) == {"exact", "relu-mask", "kept"}
+    assert set(meter.by_route()) == {"cloning", "relu-mask", "kept"}
+    assert {row.layer for row in meter.per_layer() if "cloning" in row.routes} == {"conv3d"}
 
 
 def test_bad_arguments_name_the_argument():
@@ -483,3 +525,236 @@ def test_cheap_codecs_keep_what_backward_reads():
         codecs.get("maxpool-indices", kernel_size=17, stride=1, input_size=(32, 32))
     with pytest.raises(ValueError, match="max_val"):
         codecs.get("hardtanh-mask", min_val=1.0, max_val=1.0)
+
+
+# --- the route table ----------------------------------------------------------------------------
+
+
+class Twice(nn.Module):
+    """One tensor saved twice through the same route: a Hardtanh and a MaxPool called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ht = nn.Hardtanh(-0.5, 0.5)
+        self.pool = nn.MaxPool2d(2)
+
+    def forward(self, x):
+        return self.ht(x) + self.ht(x) + self.pool(x).sum() + self.pool(x).sum()
+
+
+def test_routes_are_built_once_so_a_tensor_saved_twice_is_packed_once():
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    model = Twice()
+    with compress(model, "division") as meter:
+        out = model(x)
+    routes = meter.by_route()
+    assert routes["hardtanh-mask"]["count"] == 2
+    assert routes["hardtanh-mask"]["saved_bytes"] == x.numel() // 8  # one mask, not two
+    # The two max-pools save distinct index tensors, each through the one route of that geometry.
+    assert routes["maxpool-indices"]["count"] == 2
+    assert routes["maxpool-indices"]["saved_bytes"] == 2 * x.numel() // 4
+    out.sum().backward()
+
+
+def test_maxpool_routes_are_cached_per_input_size():
+    from freqact.engine import routes
+
+    pool = nn.MaxPool2d(2)
+    site = routes.Site("pool", pool, routes.Kind.MAXPOOL, routes.Routes.for_codec(Cloning()))
+    idx = torch.zeros(1, 1, 2, 2, dtype=torch.int64)
+
+    def route(size):
+        return routes.choose(site, routes.Saved(idx, "", torch.zeros(1, 1, *size), False))
+
+    assert route((4, 4)) is route((4, 4)) and route((4, 4)).name == "maxpool-indices"
+    assert route((6, 6)) is not route((4, 4))
+
+
+def _rel_grad_error(model, x, codec="division"):
+    model.zero_grad(set_to_none=True)
+    model(x).square().sum().backward()
+    exact = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with compress(model, codec):
+        loss = model(x).square().sum()
+    loss.backward()
+    return _rel_error([p.grad for p in model.parameters()], exact)
+
+
+@pytest.mark.parametrize("batch", [2, 8])
+def test_batchnorm1d_on_features_keeps_gradients(batch):
+    # Per-sample maps over the features made this 1e3-1e4 at batch 2: backward divides by the
+    # per-channel spread over the batch, which per-sample quantisation destroyed.
+    for seed in range(3):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 4))
+        assert _rel_grad_error(model, torch.randn(batch, 16)) < 2
+
+
+def _channels_last_net() -> nn.Module:
+    """Every route that decodes a 4D tensor: codec, masks, max-pool indices, shape-only."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 3, padding=1), nn.ReLU6(), nn.LeakyReLU(0.1), nn.AvgPool2d(2),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3),
+    ).to(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("codec", ["exact", "cloning"])
+def test_channels_last_bitwise(codec):
+    torch.manual_seed(0)
+    model = _channels_last_net()
+    x = torch.randn(2, 3, 16, 16).to(memory_format=torch.channels_last)
+    plain = _grads(model, x)
+    meter, got = _exact_run(model, x, Cloning() if codec == "cloning" else codec)
+    _assert_bitwise(plain, got)
+    if codec == "cloning":  # the masks and shape-only ran, and decoded channels-last
+        assert {"relu-mask", "hardtanh-mask", "sign-mask", "shape-only"} <= set(meter.by_route())
+
+
+class Scripted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 4)
+        self.body = torch.jit.script(nn.Linear(4, 4))
+
+    def forward(self, x):
+        return self.body(self.head(x))
+
+
+def test_failed_enter_names_the_cause_and_leaves_nothing_behind():
+    model = Scripted()
+    entering = compress(model, "division")
+    with pytest.raises(RuntimeError, match=r"cannot hook module 'body' \(RecursiveScriptModule\)"):
+        entering.__enter__()
+    assert not model.head._forward_pre_hooks and not model.head._forward_hooks
+    plain = nn.Linear(4, 4)
+    with compress(plain, "division") as meter:  # no "cannot be nested" left over
+        plain(torch.randn(2, 4, requires_grad=True))
+    assert meter.saved_bytes > 0
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_autocast_weight_copies_are_not_counted(frozen):
+    torch.manual_seed(0)
+    n = 6
+    model = TwoLinear(n)
+    for p in model.parameters():
+        p.requires_grad_(not frozen)
+    x = torch.randn(n, n, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), compress(model, Cloning()) as meter:
+        model(x)
+    # Activations only, in bf16: a's input copy (its weight needs it; a frozen one needs only
+    # the weight, which is not an activation) and the ReLU output b reads.
+    expected = (n * n * 2) * (1 if frozen else 2)
+    assert meter.exact_bytes == expected
+
+
+@pytest.mark.parametrize("name", ["shape-only", "relu-mask", "sign-mask", "hardtanh-mask",
+                                  "dropout-mask", "maxpool-indices"])
+def test_cheap_codecs_are_refused_as_the_whole_model_codec(name):
+    with pytest.raises(ValueError, match=r"^codec: expected a whole-model codec \(.*division.*"
+                                         r"exact.*\), got '" + name):
+        compress(Fork(), name)
+    with pytest.raises(ValueError, match="codec: expected a whole-model codec"):
+        compress(Fork(), codecs.get("sign-mask"))
+
+
+class SaveIt(torch.autograd.Function):
+    """Saves its first argument as it is and hands it to `seen` in backward."""
+
+    @staticmethod
+    def forward(ctx, t, w, seen):
+        ctx.save_for_backward(t)
+        ctx.seen = seen
+        return w * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.seen.append(ctx.saved_tensors[0])
+        return None, grad * 2, None
+
+
+class SavesItsInput(nn.Linear):
+    """A Linear (the codec route) that saves its input through a custom op."""
+
+    def forward(self, t, seen):
+        return SaveIt.apply(t, self.weight, seen)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(4, 4).relu().to_sparse(),
+    lambda: torch.randn(4, 4).relu().to_sparse_csr(),
+    lambda: torch.randn(4, 4).to(torch.float8_e4m3fn),
+], ids=["coo", "csr", "float8"])
+def test_sparse_nested_and_float8_tensors_are_kept_exactly(make):
+    t = make()
+    model = SavesItsInput(4, 4)
+    seen: list = []
+    with compress(model, "division") as meter:
+        out = model(t, seen)
+    out.sum().backward()
+    assert seen[0] is t  # no codec reads these layouts/dtypes: kept, never approximated
+    assert meter.by_route() == {"kept": meter.by_route()["kept"]}
+    assert torch.equal(model.weight.grad, torch.full((4, 4), 2.0))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_nested_tensors_are_kept_exactly():
+    nested = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)])
+    model = nn.Linear(4, 2)
+    with compress(model, "division") as meter:
+        out = model(nested)
+    assert out.grad_fn._saved_input is nested  # (this torch cannot run a nested backward here)
+    assert [(r.routes, r.saved_bytes, r.count) for r in meter.per_layer()] == [(("kept",), 0, 1)]
+
+
+def test_zero_size_batch_is_kept():
+    model = Zoo()
+    with compress(model, "division") as meter:
+        out = model(torch.zeros(0, 3, 16, 16))
+    out.sum().backward()
+    assert set(meter.by_route()) <= {"kept"} and meter.saved_bytes == 0
+
+
+# --- the printed table --------------------------------------------------------------------------
+
+
+def test_meter_table_reads_at_a_glance():
+    from freqact.engine.meter import human_bytes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
+    with compress(model, "division") as meter:
+        model(torch.randn(32, 64))
+    text = str(meter)
+    assert text == meter.table()
+    lines = text.splitlines()
+    assert lines[0].split() == ["layer", "type", "route(s)", "held", "plain", "ratio"]
+    rows = {line.split()[0]: line for line in lines[2:5]}
+    assert rows["0"].split()[:3] == ["0", "Linear", "division"]
+    # The ReLU row holds its mask and the next Linear's division copy of the same output.
+    relu = meter.per_layer()[1]
+    assert rows["1"].split()[:3] == ["1", "ReLU", "relu-mask"]
+    assert f"{relu.ratio:.1f}x" in rows["1"] and human_bytes(relu.exact_bytes) in rows["1"]
+    assert rows["2"].split()[-1] == "shared"
+    total = next(line for line in lines if line.startswith("total"))
+    assert total.split()[1:] == [*human_bytes(meter.saved_bytes).split(),
+                                 *human_bytes(meter.exact_bytes).split(), f"{meter.ratio:.1f}x"]
+    assert "first" in text  # the charging rule is stated under the table
+
+
+def test_human_bytes_rounds():
+    from freqact.engine.meter import human_bytes
+
+    assert [human_bytes(n) for n in (0, 1023, 1024, 1536, 2**20 * 20.26, 2**30 * 1.5)] == [
+        "0 B", "1023 B", "1.0 KiB", "1.5 KiB", "20.3 MiB", "1.5 GiB"]
+
+
+def test_rows_read_like_dicts():
+    model = Fork()
+    with compress(model, "division") as meter:
+        model(torch.randn(2, 4, 8, 8, requires_grad=True))
+    row = meter.per_layer()[0]
+    assert {**row} == {"layer": "relu", "type": "ReLU", "saved_bytes": row.saved_bytes,
+                       "exact_bytes": row.exact_bytes, "ratio": row.ratio, "count": 1}

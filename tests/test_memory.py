@@ -25,8 +25,8 @@ def test_mlp_matches_the_formula():
     assert exact == (8 + 16) * 4
     assert saved == _division_map_bytes(8) + 16 / 8 + _division_map_bytes(16)
     assert theoretical_ratio(model, (8,)) == exact / saved
-    # The exact codec keeps everything, and the ReLU mask comes on top.
-    assert theoretical_ratio(model, (8,), "exact") == exact / (exact + 16 / 8)
+    # The exact codec keeps everything and makes no mask beside it (it would be held on top).
+    assert theoretical_ratio(model, (8,), "exact") == 1.0
 
 
 def test_cnn_matches_the_formula():

@@ -62,6 +62,8 @@ class Codec:
     """Base class. Subclasses implement `encode` and `decode`; settings live on the instance."""
 
     name: str = "codec"
+    # False: correct only for the tensors the engine itself routes to it (masks, indices, shapes)
+    whole_model: bool = True
 
     def encode(self, x: torch.Tensor):  # pragma: no cover - interface
         raise NotImplementedError

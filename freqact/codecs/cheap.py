@@ -47,6 +47,8 @@ def _decode_bits(packed: BitsPacked) -> torch.Tensor:
 class ReluMask(Codec):
     """1 bit per element: `x > 0`; decodes to 1/0 (ReLU's backward only tests `result > 0`)."""
 
+    whole_model = False  # exact only for the tensors the engine routes here
+
     def encode(self, x: torch.Tensor) -> BitsPacked:
         _validate.floating_tensor("x", x)
         return BitsPacked(kernels.pack_mask(x, 0.0), x.shape, x.dtype, 0.0, 1.0)
@@ -58,6 +60,8 @@ class ReluMask(Codec):
 @register("sign-mask")
 class SignMask(Codec):
     """1 bit per element: `x > 0`; decodes to +1/-1 (LeakyReLU's backward only tests `x > 0`)."""
+
+    whole_model = False  # exact only for the tensors the engine routes here
 
     def encode(self, x: torch.Tensor) -> BitsPacked:
         _validate.floating_tensor("x", x)
@@ -78,6 +82,8 @@ class HardtanhMask(Codec):
         min_val: lower end of the linear range (ReLU6: 0).
         max_val: upper end of the linear range (ReLU6: 6), > min_val.
     """
+
+    whole_model = False  # exact only for the tensors the engine routes here
 
     def __init__(self, min_val: float = -1.0, max_val: float = 1.0) -> None:
         if not float(min_val) < float(max_val):
@@ -107,6 +113,8 @@ class DropoutMask(Codec):
     The nonzero value is read from the tensor itself, so the decode is bit-identical. A tensor with
     more than one nonzero value is refused (ValueError): it is not a dropout mask.
     """
+
+    whole_model = False  # exact only for the tensors the engine routes here
 
     def encode(self, x: torch.Tensor) -> BitsPacked:
         _validate.floating_tensor("x", x)
@@ -154,6 +162,8 @@ class MaxPoolIndices(Codec):
     Raises:
         ValueError: if the window has more than 256 elements (offsets would not fit a byte).
     """
+
+    whole_model = False  # exact only for the tensors the engine routes here
 
     def __init__(self, kernel_size, stride, padding=0, dilation=1, *, input_size) -> None:
         dims = len(input_size)
@@ -227,6 +237,8 @@ class ShapeOnly(Codec):
     Decodes to a zero scalar expanded to the shape (zero strides, no memory). Only correct where
     the backward formula reads the shape alone; the engine routes just those tensors here.
     """
+
+    whole_model = False  # exact only for the tensors the engine routes here
 
     def encode(self, x: torch.Tensor) -> ShapePacked:
         if not isinstance(x, torch.Tensor):

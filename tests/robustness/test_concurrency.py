@@ -1,8 +1,10 @@
 """Robustness sweep (issue 8), part 4: concurrency and reuse of `compress`.
 
-Nested blocks and two models at once are refused clearly (their container works); encode/decode
-from several threads, one block per thread, backward twice with retain_graph=True, and a model
-after its block closed all give exactly the gradients plain PyTorch gives.
+Nested blocks and two models at once are refused clearly (their container works), and so is a
+model that another thread's block hooks (issue 15); encode/decode from several threads, one block
+per thread, another thread's plain forward of a hooked model, backward twice with
+retain_graph=True, and a model after its block closed all give exactly the gradients plain
+PyTorch gives.
 """
 from __future__ import annotations
 
@@ -124,3 +126,53 @@ def test_a_second_writer_of_a_run_directory_gets_one_line_and_exit_2(tmp_path, c
     assert f"{out} is in use by another freqact process" in err
     assert not (out / "ckpt").exists()
     assert run_cli(argv, capsys)[0] == 0  # the lock went with its holder
+
+
+def _in_thread(fn) -> BaseException | None:
+    """Run fn in another thread; the exception it raised, or None."""
+    caught: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except Exception as err:  # surfaced to the caller
+            caught.append(err)
+
+    thread = threading.Thread(target=run, name="other")
+    thread.start()
+    thread.join()
+    return caught[0] if caught else None
+
+
+def test_a_model_in_another_threads_block_is_refused_clearly():
+    x = torch.randn(2, 3, 8, 8)
+    model, pair = tiny(0), nn.ModuleList([tiny(1)])
+    with freqact.compress(model, "division"):
+        err = _in_thread(lambda: freqact.compress(model, "division").__enter__())
+        assert isinstance(err, RuntimeError)
+        assert "already inside a compress block of thread 'MainThread'" in str(err)
+        # a container holding a hooked module is the same model
+        pair.append(model)
+        err = _in_thread(lambda: freqact.compress(pair, "exact").__enter__())
+        assert isinstance(err, RuntimeError) and "'1'" in str(err)
+        # the refusal claimed nothing: the container's other module is free
+        assert _in_thread(lambda: grads(pair[0], x, "exact")) is None
+        out = model(x)
+    out.sum().backward()
+    # after the block the model is free for any thread
+    assert _in_thread(lambda: grads(model, x, "exact")) is None
+
+
+def test_another_threads_plain_forward_does_not_disturb_the_block():
+    x = torch.randn(2, 3, 8, 8)
+    model = tiny(0)
+    plain = grads(tiny(0), x)
+    with freqact.compress(model, "exact") as meter:
+        # the other thread's forward runs the hooked modules but has no saved-tensor hooks
+        assert _in_thread(lambda: model(x).sum().backward()) is None
+        assert meter.per_layer() == []
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+    out.sum().backward()
+    assert all(torch.equal(g, p.grad) for g, p in zip(plain, model.parameters()))
+    assert {row.layer for row in meter.per_layer()} == {"conv", "bn", "relu", "pool", "fc"}

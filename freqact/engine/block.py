@@ -1,0 +1,336 @@
+"""The `compress` context manager: hooks on entry, the pack hook, and clean removal on exit."""
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from freqact import codecs as _codecs
+from freqact.codecs import base as _codec_base
+from freqact.codecs.base import Codec
+from freqact.engine.meter import Meter
+from freqact.engine.params import ParamIndex
+from freqact.engine.routes import (
+    KEEP,
+    PARAMETER,
+    Kind,
+    Route,
+    Routes,
+    Saved,
+    Site,
+    choose,
+    kind_of,
+)
+
+__all__ = ["compress"]
+
+# Nesting would let the inner block's hooks hide saves from the outer meter; saved-tensor hooks are
+# per thread, so nesting is refused per thread. Forward hooks are per module and fire in every
+# thread, so a module is in at most one open block, whichever thread opened it.
+_ACTIVE = threading.local()
+_HOOKED: dict[int, str] = {}  # id(module) -> thread name of the block hooking it
+_HOOKED_LOCK = threading.Lock()
+
+
+class _Packed:
+    """What a SavedVariable holds: its route and packed form (never the input itself)."""
+
+    __slots__ = ("__weakref__", "data", "memory_format", "route")
+
+    def __init__(self, route: Route, data, memory_format=None) -> None:
+        self.route = route
+        self.data = data
+        self.memory_format = memory_format
+
+
+def _memory_format(t: torch.Tensor):
+    """The channels-last format t is in (codecs decode contiguous), else None."""
+    if t.is_contiguous() or t.layout != torch.strided:
+        return None
+    for fmt, dim in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+        if t.dim() == dim and t.is_contiguous(memory_format=fmt):
+            return fmt
+    return None
+
+
+def _encode(route: Route, t: torch.Tensor) -> _Packed:
+    if not route.copies:
+        return _Packed(route, route.codec.encode(t))
+    data = route.codec.encode(t.t() if route.channels else t)
+    return _Packed(route, data, _memory_format(t))
+
+
+def _unpack(packed: _Packed) -> torch.Tensor:
+    # Decoding never frees the packed form, so retain_graph=True can unpack twice.
+    x = packed.route.codec.decode(packed.data)
+    if packed.route.channels:
+        x = x.t()
+    if packed.memory_format is not None:
+        # backward picks its kernels and output layout from the saved tensor's memory format
+        x = x.contiguous(memory_format=packed.memory_format)
+    return x
+
+
+def _storage(t: torch.Tensor):
+    """t's untyped storage, or None for tensors without one (sparse, nested, ...)."""
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def _split_selectors(arg_name: str, value, model_names: set[str]) -> tuple[tuple, tuple]:
+    """Validate include/exclude: None, a module type, a module name, or an iterable of those."""
+    if value is None:
+        return (), ()
+    items = [value] if isinstance(value, (str, type)) else value
+    if not isinstance(items, Iterable):
+        raise TypeError(f"{arg_name}: expected a module type, a module name or a list of them, "
+                        f"got {type(value).__name__}")
+    types, names = [], []
+    for item in items:
+        if isinstance(item, type) and issubclass(item, nn.Module):
+            types.append(item)
+        elif isinstance(item, str):
+            if item not in model_names:
+                raise ValueError(f"{arg_name}: no module named {item!r} in the model")
+            names.append(item)
+        else:
+            raise TypeError(
+                f"{arg_name}: expected nn.Module subclasses or module names, got {item!r}")
+    return tuple(types), tuple(names)
+
+
+def _matches(name: str, module: nn.Module, types: tuple, names: tuple) -> bool:
+    if types and isinstance(module, types):
+        return True
+    # "" is the model itself and contains everything.
+    return any(n == "" or name == n or name.startswith(n + ".") for n in names)
+
+
+def _whole_model(cls_or_codec) -> bool:
+    return getattr(cls_or_codec, "whole_model", True)
+
+
+def _build_codec(codec, params: dict) -> Codec:
+    """The block's codec from a name or an instance; only whole-model codecs are accepted."""
+    if isinstance(codec, Codec):
+        if params:
+            raise TypeError(f"params: settings {sorted(params)} are only accepted with a codec "
+                            f"name, got a {type(codec).__name__} instance")
+        name = codec.name
+    elif isinstance(codec, str):
+        name = codec
+    else:
+        raise TypeError(f"codec: expected a codec name or a Codec, got {type(codec).__name__}")
+    registry = _codec_base._REGISTRY
+    if not _whole_model(registry.get(name) if isinstance(codec, str) else codec):
+        # masks, indices and shape-only are exact only for the tensors the engine routes to them
+        accepted = ", ".join(n for n in _codecs.names() if _whole_model(registry[n]))
+        raise ValueError(f"codec: expected a whole-model codec ({accepted}), got {name!r} (the "
+                         f"engine applies it itself where it is exact)")
+    return _codecs.get(codec, **params) if isinstance(codec, str) else codec
+
+
+def _kind(name: str, module: nn.Module, include, inc: tuple, exc: tuple) -> Kind:
+    """The module's routing kind after include/exclude (exclude wins)."""
+    kind = kind_of(module)
+    if include is not None:
+        if not _matches(name, module, *inc):
+            kind = Kind.NONE
+        elif kind is Kind.NONE and inc[0] and isinstance(module, inc[0]):
+            kind = Kind.CODEC
+    return Kind.NONE if _matches(name, module, *exc) else kind
+
+
+def compress(model: nn.Module, codec: str | Codec = "division", *, include=None, exclude=None,
+             **params) -> _Compress:
+    """Compress the activations autograd caches during the forward passes run in the block.
+
+    Args:
+        model: any nn.Module; it is hooked, never modified.
+        codec: a whole-model codec name (built with `freqact.codecs.get(codec, **params)`: exact,
+            division, lfc, ...) or a Codec instance. The cheap codecs (relu-mask, shape-only, ...)
+            are exact only where the engine applies them and are refused here.
+        include: None (the `DEFAULT_TYPES`, activations and pools everywhere), or module types
+            and/or qualified module names (a name covers its submodules) to restrict compression to.
+            An included type outside the default kinds has its input sent through the codec.
+        exclude: module types and/or names never compressed (their saves are kept as is).
+        **params: the codec's settings when `codec` is a name (e.g. block=8, bits=2).
+
+    Returns:
+        A context manager; entering it yields the `Meter`.
+
+    Raises:
+        TypeError: model is not an nn.Module, codec is neither a name nor a Codec, params given
+            with a Codec instance, or include/exclude hold something else than types and names.
+        ValueError: unknown or not whole-model codec, or an include/exclude name not in the model.
+        RuntimeError (on entry): a block is already open in this thread, the model is inside a
+            block of another thread, or a module cannot be hooked (e.g. a TorchScript module).
+    """
+    return _Compress(model, codec, include, exclude, params)
+
+
+class _Compress:
+    def __init__(self, model, codec, include, exclude, params) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+        self.codec = _build_codec(codec, params)
+        self.model = model
+        named = dict(model.named_modules())
+        inc = _split_selectors("include", include, set(named))
+        exc = _split_selectors("exclude", exclude, set(named))
+        routes = Routes.for_codec(self.codec)
+        self._sites = [Site(name, module, _kind(name, module, include, inc, exc), routes)
+                       for name, module in named.items()]
+        self._root = self._sites[0]
+        self.meter = Meter()
+        self._handles: list = []
+        self._claimed: list[int] = []
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def __enter__(self) -> Meter:
+        if getattr(_ACTIVE, "on", False):
+            raise RuntimeError(
+                "compress: blocks cannot be nested; one block covers the whole forward (to "
+                "compress several models at once, pass them in one nn.ModuleList)")
+        self._claim()
+        _ACTIVE.on = True
+        self._thread = threading.get_ident()
+        self._stack: list[tuple] = []
+        # key -> (storage weakref, _Packed weakref): never keeps a tensor or packed form alive.
+        self._dedup: dict[tuple, tuple] = {}
+        # storage ptr -> (storage weakref, layer site it is charged to), as plain PyTorch holds it
+        self._owner: dict[int, tuple] = {}
+        self._held_seen: dict[int, weakref.ref] = {}  # storage ptr -> storage (held as is)
+        try:
+            self._params = ParamIndex(self.model)
+            self._install()
+        except BaseException:
+            self._release()
+            raise
+        return self.meter
+
+    def _claim(self) -> None:
+        """Mark every module as inside this block; refuse modules another thread's block hooks."""
+        me = threading.current_thread().name
+        with _HOOKED_LOCK:
+            for site in self._sites:
+                other = _HOOKED.get(id(site.module))
+                if other is not None:
+                    self._unclaim_locked()
+                    raise RuntimeError(
+                        f"compress: module {site.name or '(model)'!r} is already inside a compress "
+                        f"block of thread {other!r}; one block per model at a time (give each "
+                        f"thread its own copy of the model)")
+                _HOOKED[id(site.module)] = me
+                self._claimed.append(id(site.module))
+
+    def _unclaim_locked(self) -> None:
+        for key in self._claimed:
+            _HOOKED.pop(key, None)
+        self._claimed = []
+
+    def _install(self) -> None:
+        for site in self._sites:
+            try:
+                self._handles.append(site.module.register_forward_pre_hook(
+                    functools.partial(self._push, site), with_kwargs=True))
+                self._handles.append(site.module.register_forward_hook(self._pop,
+                                                                       always_call=True))
+            except RuntimeError as err:
+                raise RuntimeError(f"compress: cannot hook module {site.name or '(model)'!r} "
+                                   f"({site.type_name}): {err}") from err
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks.__enter__()
+
+    def _release(self) -> None:
+        """Remove every hook and drop everything but the meter (packed forms live in the graph)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._stack, self._dedup = [], [], {}
+        self._owner, self._held_seen = {}, {}
+        with _HOOKED_LOCK:
+            self._unclaim_locked()
+        _ACTIVE.on = False
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        self._release()
+
+    def _push(self, site: Site, module, args, kwargs) -> None:
+        if threading.get_ident() != self._thread:
+            return  # another thread's plain forward: its saves are not ours
+        if site.kind is Kind.NONE:
+            self._stack.append((site, None))
+            return
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        self._stack.append((site, first))
+
+    def _pop(self, module, args, output) -> None:
+        # always_call also runs this hook when an earlier pre-hook raised before our push.
+        if (threading.get_ident() == self._thread and self._stack
+                and self._stack[-1][0].module is module):
+            self._stack.pop()
+
+    # -- the pack hook ---------------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor) -> _Packed:
+        site, x = self._stack[-1] if self._stack else (self._root, None)
+        storage = None if t.is_nested else _storage(t)
+        if storage is None:
+            # Sparse and nested tensors: no codec reads them, so they are kept exactly (always
+            # correct); they are not one dense buffer, so they are not counted in bytes.
+            self.meter._record(site.name, site.type_name, KEEP.label)
+            return _encode(KEEP, t)
+        ptr = storage.data_ptr()
+        if self._params.derived(t, ptr, site.params):
+            return _encode(PARAMETER, t)
+        route = choose(site, self._describe(t, x))
+        self.meter._record(site.name, site.type_name, route.label)
+        key = (ptr, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version, id(route))
+        hit = self._dedup.get(key)
+        packed = hit[1]() if hit is not None and hit[0]() is storage else None
+        owner = self._charged_to(ptr, storage, site)
+        if packed is not None:
+            return packed
+        packed = _encode(route, t)
+        self._dedup[key] = (weakref.ref(storage), weakref.ref(packed))
+        held = self._held_bytes(route, packed, ptr, storage)
+        self.meter._charge(owner[1].name, owner[1].type_name, route.label, held, owner[2])
+        self._owner[ptr] = (owner[0], owner[1], 0)  # plain bytes are charged once
+        return packed
+
+    @staticmethod
+    def _describe(t: torch.Tensor, x: torch.Tensor | None) -> Saved:
+        x_storage = _storage(x) if x is not None else None
+        is_input = x_storage is not None and t.untyped_storage().data_ptr() == x_storage.data_ptr()
+        op = type(t.grad_fn).__name__ if t.grad_fn is not None else ""
+        return Saved(t, op, x, is_input)
+
+    def _charged_to(self, ptr: int, storage, site: Site) -> tuple:
+        """(storage ref, layer site, plain bytes still to charge) for a saved storage.
+
+        The first layer that saves a live storage is charged with it; freed addresses are reused,
+        so an entry counts only while its storage is the same object.
+        """
+        entry = self._owner.get(ptr)
+        if entry is None or entry[0]() is not storage:
+            entry = (weakref.ref(storage), site, storage.nbytes())
+            self._owner[ptr] = entry
+        return entry
+
+    def _held_bytes(self, route: Route, packed: _Packed, ptr: int, storage) -> int:
+        if route.copies:
+            return packed.data.nbytes
+        # Held as is: the storage counts once, however many routes keep it.
+        ref = self._held_seen.get(ptr)
+        if ref is not None and ref() is storage:
+            return 0
+        self._held_seen[ptr] = weakref.ref(storage)
+        return storage.nbytes()
