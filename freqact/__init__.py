@@ -15,28 +15,27 @@ __version__ = "0.1.0"
 
 import importlib
 
-# name -> module it comes from. Imported on first use (PEP 562), so that `python -m freqact
-# --help` and `import freqact.errors` do not pay for importing torch.
-_EXPORTS = {
-    "codecs": None,
-    "models": None,
-    **dict.fromkeys(("band_energy", "block_dct", "highpass", "highpass_mask", "idct", "lowpass",
-                     "lowpass_mask", "radial_spectrum", "split"), "freqact.dct"),
-    **dict.fromkeys(("Meter", "compress"), "freqact.engine"),
-}
-
-__all__ = sorted(_EXPORTS)
+# Imported on first use (PEP 562), so that `python -m freqact --help` and `import freqact.errors`
+# do not pay for importing torch: the submodules, engine's two names, and the dct helpers.
+__all__ = [
+    "Meter", "band_energy", "block_dct", "codecs", "compress", "highpass", "highpass_mask",
+    "idct", "lowpass", "lowpass_mask", "models", "radial_spectrum", "split",
+]
+_SUBMODULES = ("codecs", "models")
+_FROM_ENGINE = ("Meter", "compress")
 
 
 def __getattr__(name: str):
-    if name not in _EXPORTS:
+    if name not in __all__:
         raise AttributeError(f"module 'freqact' has no attribute {name!r}")
-    source = _EXPORTS[name]
-    value = (importlib.import_module(f"freqact.{name}") if source is None
-             else getattr(importlib.import_module(source), name))
+    if name in _SUBMODULES:
+        value = importlib.import_module(f"freqact.{name}")
+    else:
+        source = "freqact.engine" if name in _FROM_ENGINE else "freqact.dct"
+        value = getattr(importlib.import_module(source), name)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+    return sorted({*globals(), *__all__})

@@ -177,7 +177,7 @@ class RunConfig(_WithCodecSettings):
             self.out = str(Path("runs") / f"{self.model}-{self.dataset}-{self.mode}")
 
     @classmethod
-    def from_dict(cls, stored: dict) -> "RunConfig":
+    def from_dict(cls, stored: dict) -> RunConfig:
         """The config of a stored run (`config.json` or a checkpoint's "config"), old or new.
 
         Keys that are not fields (num_classes, world_size, kernels) are ignored, and settings a

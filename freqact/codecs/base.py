@@ -13,15 +13,15 @@ by name, `names()` lists them, `modes()` lists those that `freqact train` offers
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from freqact import _validate, kernels
 from freqact.codecs.settings import Setting, resolve
 
-_REGISTRY: dict[str, type["Codec"]] = {}
+_REGISTRY: dict[str, type[Codec]] = {}
 
 
 def register(name: str) -> Callable[[type], type]:
@@ -42,7 +42,7 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def codec_class(name: str) -> type["Codec"]:
+def codec_class(name: str) -> type[Codec]:
     """The class registered as `name`.
 
     Raises:
@@ -51,7 +51,7 @@ def codec_class(name: str) -> type["Codec"]:
     return _REGISTRY[_validate.choice("codec", name, tuple(names()))]
 
 
-def get(name: str, **params) -> "Codec":
+def get(name: str, **params) -> Codec:
     """Build the codec registered as `name` with its keyword settings (see `Codec.settings`).
 
     Raises:
