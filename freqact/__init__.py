@@ -13,32 +13,29 @@ function `dct` at the root would hide the module of the same name.
 """
 __version__ = "0.1.0"
 
-from freqact import codecs, models
-from freqact.dct import (
-    band_energy,
-    block_dct,
-    highpass,
-    highpass_mask,
-    idct,
-    lowpass,
-    lowpass_mask,
-    radial_spectrum,
-    split,
-)
-from freqact.engine import Meter, compress
+import importlib
 
+# Imported on first use (PEP 562), so that `python -m freqact --help` and `import freqact.errors`
+# do not pay for importing torch: the submodules, engine's two names, and the dct helpers.
 __all__ = [
-    "Meter",
-    "band_energy",
-    "block_dct",
-    "codecs",
-    "compress",
-    "highpass",
-    "highpass_mask",
-    "idct",
-    "lowpass",
-    "lowpass_mask",
-    "models",
-    "radial_spectrum",
-    "split",
+    "Meter", "band_energy", "block_dct", "codecs", "compress", "highpass", "highpass_mask",
+    "idct", "lowpass", "lowpass_mask", "models", "radial_spectrum", "split",
 ]
+_SUBMODULES = ("codecs", "models")
+_FROM_ENGINE = ("Meter", "compress")
+
+
+def __getattr__(name: str):
+    if name not in __all__:
+        raise AttributeError(f"module 'freqact' has no attribute {name!r}")
+    if name in _SUBMODULES:
+        value = importlib.import_module(f"freqact.{name}")
+    else:
+        source = "freqact.engine" if name in _FROM_ENGINE else "freqact.dct"
+        value = getattr(importlib.import_module(source), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -2,17 +2,44 @@
 
 Handlers only translate arguments into one library call and print where results went.
 Expected errors (bad arguments, missing or unreadable files, a full disk) become one line on
-stderr and exit code 2.
+stderr and exit code 2; any other exception is a bug and keeps its traceback.
+
+Only the chosen subcommand's options are built, and each builder and handler imports the library
+lazily, so `freqact --help` and `freqact --version` never import torch.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
+
+from freqact.errors import UsageError
 
 # Each entry: (name, help, add_arguments(parser), handler(args) -> int).
 Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+
+
+def _flag(setting: str) -> str:
+    """The command-line flag of a codec setting: "--block"."""
+    return f"--{setting.replace('_', '-')}"
+
+
+def _add_codec_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting of the training modes' codecs, from the codecs' declarations.
+
+    Defaults are None here so that `_train` can tell a flag given on the command line (refused
+    when the mode does not use it) from one left at the codec's default.
+    """
+    from freqact import codecs
+
+    for setting in codecs.mode_settings():
+        users = [m for m in codecs.modes() if setting in codecs.codec_class(m).settings]
+        parser.add_argument(
+            _flag(setting.name), dest=setting.name, type=setting.type,
+            default=None, choices=setting.choices if setting.type is str else None,
+            help=f"{'/'.join(users)}: {setting.help}; {setting.expected()} "
+                 f"(default {setting.default})")
 
 
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,18 +51,17 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--dataset", default=defaults.dataset, choices=data.DATASETS)
     add("--mode", default=defaults.mode, choices=train.MODES,
         help="normal: plain PyTorch; others: the codec that stores cached activations")
-    add("--ratio", type=float, default=defaults.ratio, help="lfc/hfc: kept fraction W/N in (0, 1]")
-    add("--block", type=int, default=defaults.block, help="division: block size B")
-    add("--bits", type=int, default=defaults.bits, help="division/quant: bits Q in {1, 2, 4, 8}")
+    _add_codec_arguments(parser)
     add("--epochs", type=int, default=defaults.epochs, help="(default %(default)s)")
     add("--batch-size", type=int, default=defaults.batch_size,
         help="global batch over all ranks (default %(default)s)")
     add("--lr", type=float, default=defaults.lr,
-        help="initial SGD learning rate, cosine schedule (default %(default)s)")
-    add("--momentum", type=float, default=defaults.momentum, help="(default %(default)s)")
-    add("--weight-decay", type=float, default=defaults.weight_decay, help="(default %(default)s)")
+        help="initial SGD learning rate in [0, 10], cosine schedule (default %(default)s)")
+    add("--momentum", type=float, default=defaults.momentum, help="in [0, 1] (default %(default)s)")
+    add("--weight-decay", type=float, default=defaults.weight_decay,
+        help="in [0, 1] (default %(default)s)")
     add("--subset", type=int, default=None, help="train on the first N training images only")
-    add("--seed", type=int, default=defaults.seed)
+    add("--seed", type=int, default=defaults.seed, help="in [0, 2**32 - 1] (default %(default)s)")
     add("--amp", action="store_true",
         help="autocast: bfloat16 on CPU, float16 + GradScaler on CUDA")
     add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
@@ -56,9 +82,18 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def _train(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from freqact import train
+    from freqact import codecs, train
 
-    fields = {f.name for f in dataclasses.fields(train.RunConfig)}
+    used = [s.name for s in train.mode_settings(args.mode)]
+    unset = set()
+    for setting in codecs.mode_settings():
+        if getattr(args, setting.name) is None:
+            unset.add(setting.name)
+        elif setting.name not in used:
+            flags = ", ".join(_flag(name) for name in used) or "none"
+            raise UsageError(f"{_flag(setting.name)}: mode {args.mode!r} does not use it (its "
+                             f"settings: {flags})")
+    fields = {f.name for f in dataclasses.fields(train.RunConfig)} - unset
     try:
         results = train.train(train.RunConfig(**{k: v for k, v in vars(args).items() if k in fields}))
     except train.Interrupted as stop:  # Ctrl-C / SIGTERM: the checkpoints are whole
@@ -275,8 +310,13 @@ def _commands() -> list[Command]:
     ]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with every subcommand attached."""
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand attached.
+
+    Args:
+        commands: the subcommands whose options are built (their builders import the library);
+            None: all. The others are listed with their help only.
+    """
     from freqact import __version__
 
     parser = argparse.ArgumentParser(
@@ -288,24 +328,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text, add_arguments, handler in _commands():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
-        add_arguments(cmd)
+        if commands is None or name in commands:
+            add_arguments(cmd)
         cmd.set_defaults(handler=handler)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `freqact` with `argv` (default: sys.argv[1:]); return the exit code."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The top-level options (-h, --version) take no value: the first other word is the command.
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser([command] if command else [])
     args = parser.parse_args(argv)
     if getattr(args, "handler", None) is None:
         parser.print_help()
         return 0
     try:
         return int(args.handler(args) or 0)
-    # OSError: missing or unreadable files, and a disk that fills up while saving.
-    except (ValueError, TypeError, OSError, KeyError) as err:
-        message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"freqact {args.command}: error: {message}", file=sys.stderr)
+    # UsageError (bad arguments and settings, UsageTypeError included) and the ValueError that
+    # the library documents for bad input files; OSError: missing or unreadable files, and a disk
+    # that fills up while saving. Other TypeErrors and KeyErrors are bugs: their traceback stays.
+    except (UsageError, ValueError, OSError) as err:
+        print(f"freqact {args.command}: error: {err}", file=sys.stderr)
         return 2
 
 

@@ -36,9 +36,6 @@ from freqact import _validate, data, distributed, figures, train
 from freqact.analysis import lambdas, theorem31
 
 MODES = ("normal", "lfc", "hfc", "division")
-_MODE_NAMES = {"normal": "normal training (plain PyTorch)", "lfc": "LFC-ACT (only the DCT low band cached)",
-               "hfc": "HFC-ACT (only the DCT high band cached)",
-               "division": "DIVISION (block-mean LFC in bf16 + 2-bit HFC)"}
 # Host of the official CIFAR archive (see freqact.data): the connectivity check only opens a TCP
 # connection to it.
 CIFAR_HOST = ("www.cs.toronto.edu", 443)
@@ -272,7 +269,7 @@ def _report(plan: Plan, choice: DataChoice, results: dict, figs: dict, out: Path
         f"- Model: {plan.model}, {plan.epochs} epochs, batch {plan.batch_size}, SGD lr {plan.lr} "
         f"(cosine), momentum {config['momentum']}, weight decay {config['weight_decay']}, seed "
         f"{plan.seed}; a checkpoint after every epoch.",
-        *(f"- `{figures.run_label(results[mode]['config'])}`: {_MODE_NAMES[mode]}, in "
+        *(f"- `{figures.run_label(results[mode]['config'])}`: {train.mode_title(mode)}, in "
           f"[runs/{mode}]({link(results[mode]['run_dir'])})" for mode in MODES),
         f"- Analyses on the `normal` run ({link(analysed)}), W/N = {plan.analysis_ratio}: λ on "
         f"{plan.lambda_images} test images per checkpoint, Theorem 3.1 on {plan.theorem_images}, "

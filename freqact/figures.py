@@ -82,7 +82,8 @@ class Figure:
 
 def run_label(config: dict) -> str:
     """A short label of a run's mode and codec settings, e.g. "division (block=8, bits=2)"."""
-    settings = ", ".join(f"{k}={v}" for k, v in _codec_params(config).items())
+    settings = ", ".join(f"{k}={v}" for k, v in
+                         train.RunConfig.from_dict(config).label_params().items())
     return f"{config['mode']} ({settings})" if settings else config["mode"]
 
 
@@ -232,8 +233,7 @@ def _last_checkpoint(run: Path) -> Path:
 
 def _codec_params(config: dict) -> dict:
     """The codec settings of a stored run config's mode, e.g. {"block": 8, "bits": 2}."""
-    fields = {f.name for f in dataclasses.fields(train.RunConfig)}
-    return train.RunConfig(**{k: v for k, v in config.items() if k in fields}).codec_params()
+    return train.RunConfig.from_dict(config).codec_params()
 
 
 def _figure(name: str, out: Path, rows: list[dict], draw: Callable) -> Figure:

@@ -39,9 +39,10 @@ try:
 except ImportError:  # pragma: no cover - Windows: no advisory locks, runs are not locked
     fcntl = None
 
-# Fields that may change when a run is resumed; all others must match the stored run.
+# Fields that may change when a run is resumed; all others must match the stored run. The kernel
+# backend changes like the device does (same format, another noise stream); `kernels` records it.
 RESUMABLE_CHANGES = ("device", "workers", "out", "resume", "save_epochs", "save_every", "download",
-                     "data_dir", "log_every")
+                     "data_dir", "log_every", "backend", "kernels")
 METRIC_COLUMNS = (
     "epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time_s",
     "images_per_s", "saved_bytes", "exact_bytes", "compression_ratio", "cuda_peak_bytes",

@@ -69,13 +69,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from freqact import _validate, checkpoint, distributed, rundir, train
+from freqact import _validate, checkpoint, codecs, distributed, rundir, train
+from freqact.errors import UsageTypeError
 
 SPEC_KEYS = ("name", "description", "base", "grid", "variants")
 # RunConfig fields the sweep sets itself.
 MANAGED_FIELDS = ("out", "resume", "device")
 _FORMATS = {".toml": "toml", ".json": "json", ".yaml": "yaml", ".yml": "yaml"}
-_LABEL_PARAMS = (("block", "B"), ("bits", "Q"), ("ratio", "r"))
+# The codec settings that label runs and fill result columns: those the codecs give a symbol.
+_LABELLED = tuple(s for s in codecs.mode_settings() if s.symbol)
 # Bounds on a spec: its file, its YAML expansion and the runs it may ask for.
 MAX_SPEC_BYTES = 1 << 20
 MAX_SPEC_NODES = 100_000
@@ -154,7 +156,7 @@ def load_spec(spec: str | os.PathLike) -> dict:
                                 f"(presets: {', '.join(presets())})")
     raw = _parse(text, fmt, path)
     if not isinstance(raw, dict):
-        raise TypeError(f"spec: expected a mapping at the top of {spec}, got {type(raw).__name__}")
+        raise UsageTypeError(f"spec: expected a mapping at the top of {spec}, got {type(raw).__name__}")
     return {"name": path.stem, **raw}
 
 
@@ -177,7 +179,7 @@ def expand(spec: dict, out: str | os.PathLike | None = None, *, data_dir: str | 
             list, duplicate labels, or a value RunConfig refuses.
     """
     if not isinstance(spec, dict):
-        raise TypeError(f"spec: expected a mapping, got {type(spec).__name__}")
+        raise UsageTypeError(f"spec: expected a mapping, got {type(spec).__name__}")
     unknown = [key for key in spec if key not in SPEC_KEYS]
     if unknown:
         raise ValueError(f"spec: unknown key {unknown[0]!r}; expected keys {', '.join(SPEC_KEYS)}")
@@ -253,7 +255,7 @@ def run_state(run: Run) -> str:
     Raises:
         ValueError: if the run directory was written with settings other than `run.config`'s.
     """
-    return rundir.RunDir(run.run_dir).state(dataclasses.asdict(run.config), run.config.epochs)
+    return rundir.RunDir(run.run_dir).state(run.config.to_dict(), run.config.epochs)
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
@@ -319,8 +321,8 @@ def results_table(study: Study) -> list[dict]:
     compression ratio and saved MiB are the last epoch's (the trainer's meter; None for `normal`).
 
     Returns:
-        Rows with "label", the group fields, "mode", "block", "bits", "ratio" (None where the mode
-        has no such setting), "epochs", "seeds" (finished runs), "runs" (planned runs),
+        Rows with "label", the group fields, "mode", one key per labelled codec setting ("block",
+        "bits", "ratio"; None where the mode has no such setting), "epochs", "seeds" (finished runs), "runs" (planned runs),
         "final_acc_mean", "final_acc_std", "best_acc_mean", "best_acc_std" (test accuracy in
         [0, 1]; std is the sample std, None with fewer than 2 seeds), "images_per_s",
         "compression_ratio", "saved_mib" (None when no finished run has them).
@@ -331,11 +333,11 @@ def results_table(study: Study) -> list[dict]:
     rows = []
     for (label, group), members in arms.items():
         config = members[0].config
-        params = config.codec_params()
+        params = config.label_params()
         finished = [m for m in (read_metrics(r.run_dir) for r in members)
                     if rundir.reaches(m, config.epochs)]
         row = {"label": label, **dict(group), "mode": config.mode,
-               **{key: params.get(key) for key, _ in _LABEL_PARAMS}, "epochs": config.epochs,
+               **{s.name: params.get(s.name) for s in _LABELLED}, "epochs": config.epochs,
                "seeds": len(finished), "runs": len(members)}
         for name, values in (("final_acc", [m[-1]["test_acc"] for m in finished]),
                              ("best_acc", [max(e["test_acc"] for e in m) for m in finished])):
@@ -353,8 +355,8 @@ def results_table(study: Study) -> list[dict]:
 
 def markdown_table(study: Study, rows: Sequence[dict]) -> str:
     """The results as a Markdown document: title, description, table (accuracy in %), notes."""
-    head = ["variant", *study.group_fields, "mode", "B", "Q", "ratio", "seeds", "final acc (%)",
-            "best acc (%)", "images/s", "compression", "saved MiB/step"]
+    head = ["variant", *study.group_fields, "mode", *(s.header for s in _LABELLED), "seeds",
+            "final acc (%)", "best acc (%)", "images/s", "compression", "saved MiB/step"]
     lines = [f"# {study.name}", ""]
     if study.description:
         lines += [study.description.strip(), ""]
@@ -362,7 +364,7 @@ def markdown_table(study: Study, rows: Sequence[dict]) -> str:
     for row in rows:
         cells = [row["label"].replace("|", "\\|"), *(str(row[f]) for f in study.group_fields),
                  row["mode"],
-                 *(_cell(row[key]) for key, _ in _LABEL_PARAMS), f"{row['seeds']}/{row['runs']}",
+                 *(_cell(row[s.name]) for s in _LABELLED), f"{row['seeds']}/{row['runs']}",
                  _pm(row["final_acc_mean"], row["final_acc_std"]),
                  _pm(row["best_acc_mean"], row["best_acc_std"]), _cell(row["images_per_s"], ".0f"),
                  _cell(row["compression_ratio"], ".1f", "x"), _cell(row["saved_mib"], ".2f")]
@@ -479,7 +481,7 @@ def _yaml_size(node, sizes: dict) -> int:
 def _fields(table: object, where: str) -> dict:
     """Check that `table` maps RunConfig fields the spec may set; return it as a dict."""
     if not isinstance(table, dict):
-        raise TypeError(f"{where}: expected a table of RunConfig fields, got {type(table).__name__}")
+        raise UsageTypeError(f"{where}: expected a table of RunConfig fields, got {type(table).__name__}")
     allowed = [f.name for f in dataclasses.fields(train.RunConfig) if f.name not in MANAGED_FIELDS]
     for key in table:
         if key in MANAGED_FIELDS:
@@ -498,7 +500,7 @@ def _variants(variants: object, base: dict, grid: dict) -> list[tuple[str, dict]
     result, slugs = [], {}
     for i, variant in enumerate(variants):
         if not isinstance(variant, dict):
-            raise TypeError(f"variants[{i}]: expected a table, got {type(variant).__name__}")
+            raise UsageTypeError(f"variants[{i}]: expected a table, got {type(variant).__name__}")
         variant = dict(variant)
         label = variant.pop("label", None)
         settings = {**base, **_fields(variant, f"variants[{i}]")}
@@ -531,9 +533,9 @@ def _config(fields: dict, where: str) -> train.RunConfig:
 
 def _default_label(config: train.RunConfig, skip: tuple[str, ...]) -> str:
     """"division B=8 Q=2", "lfc r=0.1", "normal"; settings in `skip` (the grid's) left out."""
-    params = config.codec_params()
-    return " ".join([config.mode, *(f"{short}={params[key]}" for key, short in _LABEL_PARAMS
-                                    if key in params and key not in skip)])
+    params = config.label_params()
+    return " ".join([config.mode, *(f"{s.symbol}={params[s.name]}" for s in _LABELLED
+                                    if s.name in params and s.name not in skip)])
 
 
 def _slug(text: str) -> str:

@@ -3,10 +3,12 @@
     config = RunConfig(model="resnet20", dataset="cifar10", mode="division", block=8, bits=2)
     results = train(config)          # writes config.json, metrics.csv/.jsonl, ckpt/*.pt
 
-Modes: `normal` is plain PyTorch (no hooks). Every other mode names a codec; the forward pass of
-each training step runs inside `freqact.engine.compress(model, mode, **codec params)`, so the
-activations cached for backward are stored compressed and rebuilt during backward. Evaluation is a
-plain forward under `torch.no_grad()`.
+Modes: `normal` is plain PyTorch (no hooks). Every other mode names a codec (`freqact.codecs.modes()`);
+the forward pass of each training step runs inside `freqact.engine.compress(model, mode, **codec
+params)`, so the activations cached for backward are stored compressed and rebuilt during backward.
+The codec settings are the codec's own declarations (`Codec.settings`); config.json records those
+the mode uses and, as "kernels", the kernel backend the codec resolved to on the run's device.
+Evaluation is a plain forward under `torch.no_grad()`.
 
 Recipe (defaults, the paper's CIFAR setting): SGD with momentum 0.9, weight decay 5e-4, lr 0.1,
 cosine schedule over the epochs (stepped once per epoch), batch 256, CIFAR augmentation (random
@@ -59,37 +61,71 @@ import torch.nn.functional as F
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
-from freqact import _validate, checkpoint, data, distributed, engine, models, rundir
+from freqact import _validate, checkpoint, codecs, data, distributed, engine, models, rundir
+from freqact.codecs.settings import Setting
+from freqact.errors import UsageError
 
-MODES = ("normal", "exact", "lfc", "hfc", "division", "division-no-hfc", "division-no-lfc", "quant")
-BITS = (1, 2, 4, 8)
-# Which RunConfig fields each mode's codec takes.
-_CODEC_PARAMS = {
-    "normal": (), "exact": (), "lfc": ("ratio",), "hfc": ("ratio",), "division": ("block", "bits"),
-    "division-no-hfc": ("block",), "division-no-lfc": ("block", "bits"), "quant": ("bits",),
-}
+NORMAL_TITLE = "normal training (plain PyTorch)"
+MODES = ("normal", *codecs.modes())
+"""Training modes: `normal` (no hooks) and the codecs a whole model trains with."""
 # Re-exported: the run directory owns them (`freqact.rundir`).
 RESUMABLE_CHANGES = rundir.RESUMABLE_CHANGES
 METRIC_COLUMNS = rundir.METRIC_COLUMNS
+# The SGD recipe's numbers: finite and in a range that can train (NaN or 1e30 would train to NaN).
+_HYPER = (
+    Setting("lr", float, 0.1, "initial SGD learning rate", low=0.0, high=10.0),
+    Setting("momentum", float, 0.9, "SGD momentum", low=0.0, high=1.0),
+    Setting("weight_decay", float, 5e-4, "SGD weight decay", low=0.0, high=1.0),
+)
+# Seeds reach torch.manual_seed as seed and seed * 65536 + rank: keep both inside 64 bits.
+SEED = Setting("seed", int, 0, "random seed", low=0, high=2**32 - 1)
+
+
+def mode_title(mode: str) -> str:
+    """What a training mode does, in words ("LFC-ACT (only the DCT low band cached)")."""
+    _validate.choice("mode", mode, MODES)
+    return NORMAL_TITLE if mode == "normal" else codecs.codec_class(mode).title
+
+
+def mode_settings(mode: str) -> tuple[Setting, ...]:
+    """The codec settings `mode` takes (none for `normal`)."""
+    _validate.choice("mode", mode, MODES)
+    return () if mode == "normal" else codecs.codec_class(mode).settings
 
 
 @dataclasses.dataclass
-class RunConfig:
+class _Identity:
+    model: str = "resnet20"
+    dataset: str = "cifar10"
+    mode: str = "normal"
+
+
+# One field per setting of the training modes' codecs, declared by the codecs themselves.
+_WithCodecSettings = dataclasses.make_dataclass(
+    "_WithCodecSettings",
+    [(s.name, s.type, dataclasses.field(default=s.default)) for s in codecs.mode_settings()],
+    bases=(_Identity,))
+
+
+@dataclasses.dataclass
+class RunConfig(_WithCodecSettings):
     """Everything that defines a training run; plain JSON types only (it goes into checkpoints).
 
     Attributes:
         model: a `freqact.models` name.
         dataset: one of `freqact.data.DATASETS`.
         mode: one of `MODES`.
-        ratio: kept fraction W/N of each frequency axis for lfc/hfc, in (0, 1].
-        block: DIVISION block size B (division, division-no-hfc), >= 1.
-        bits: quantisation bits Q (division, division-no-lfc, quant), one of 1, 2, 4, 8.
-            division-no-lfc also takes `block`: its residual is taken against the BxB means.
+        codec settings: one field per setting that a training mode's codec declares
+            (`freqact.codecs.mode_settings()`, e.g. ratio, block, bits, backend), with the
+            declared default and range. Each mode uses its own codec's settings (`codec_params`);
+            the others are checked but not used, and `to_dict` leaves them out.
         epochs, batch_size, lr, momentum, weight_decay: the SGD + cosine recipe; batch_size is
-            global (split over the ranks under torchrun).
+            global (split over the ranks under torchrun); lr in [0, 10], momentum and
+            weight_decay in [0, 1], all finite.
         subset: train on the first `subset` training images only (the test set is always whole);
             for synthetic, the number of training images drawn.
-        seed: seeds the model initialisation, data order, augmentation and codec noise.
+        seed: seeds the model initialisation, data order, augmentation and codec noise; an
+            integer in [0, 2**32 - 1].
         amp: autocast (bfloat16 on CPU; float16 with a GradScaler on CUDA).
         device: "cpu", "cuda", "cuda:N" or None for CUDA when available.
         workers: unused (data are in-memory tensors); kept for command-line compatibility.
@@ -105,12 +141,6 @@ class RunConfig:
             when stdout is not a terminal (a terminal gets a progress bar instead).
     """
 
-    model: str = "resnet20"
-    dataset: str = "cifar10"
-    mode: str = "normal"
-    ratio: float = 0.5
-    block: int = 8
-    bits: int = 2
     epochs: int = 100  # the original code's CIFAR runs (94.89 % normal, 94.72 % DIVISION)
     batch_size: int = 256
     lr: float = 0.1
@@ -132,28 +162,54 @@ class RunConfig:
     def __post_init__(self) -> None:
         _validate.choice("dataset", self.dataset, data.DATASETS)
         _validate.choice("mode", self.mode, MODES)
-        _validate.unit_ratio("ratio", self.ratio)
-        _validate.positive_int("block", self.block)
-        # positive_int first: True and 2.0 compare equal to members of BITS.
-        _validate.choice("bits", _validate.positive_int("bits", self.bits), BITS)
+        for setting in (*codecs.mode_settings(), *_HYPER, SEED):
+            setattr(self, setting.name, setting.check(getattr(self, setting.name)))
         for name in ("epochs", "batch_size"):
             _validate.positive_int(name, getattr(self, name))
         for name in ("subset", "save_every", "log_every"):
             if getattr(self, name) is not None:
                 _validate.positive_int(name, getattr(self, name))
-        for name in ("lr", "momentum", "weight_decay"):
-            if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) < 0:
-                raise ValueError(f"{name}: expected a number >= 0, got {getattr(self, name)!r}")
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 0:
-            raise ValueError(f"workers: expected an integer >= 0, got {self.workers!r}")
+            raise UsageError(f"workers: expected an integer >= 0, got {self.workers!r}")
         self.save_epochs = sorted({_validate.positive_int("save_epochs", e)
                                    for e in self.save_epochs})
         if self.out is None:
             self.out = str(Path("runs") / f"{self.model}-{self.dataset}-{self.mode}")
 
+    @classmethod
+    def from_dict(cls, stored: dict) -> RunConfig:
+        """The config of a stored run (`config.json` or a checkpoint's "config"), old or new.
+
+        Keys that are not fields (num_classes, world_size, kernels) are ignored, and settings a
+        stored config leaves out (a mode's unused codec settings, or `backend` before it existed)
+        take their defaults, so every config.json freqact wrote still loads.
+        """
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in stored.items() if k in fields})
+
     def codec_params(self) -> dict:
-        """The keyword settings of this mode's codec, e.g. {"block": 8, "bits": 2}."""
-        return {name: getattr(self, name) for name in _CODEC_PARAMS[self.mode]}
+        """The keyword settings of this mode's codec, e.g. {"block": 8, "bits": 2, "backend":
+        "auto"} (empty for `normal`)."""
+        return {s.name: getattr(self, s.name) for s in mode_settings(self.mode)}
+
+    def label_params(self) -> dict:
+        """The codec settings that name a run in labels and tables, e.g. {"block": 8, "bits": 2}
+        (those with a `symbol`; the kernel backend is not one)."""
+        return {s.name: getattr(self, s.name) for s in mode_settings(self.mode) if s.symbol}
+
+    def to_dict(self) -> dict:
+        """The plain-JSON form written to config.json and checkpoints: every field except the
+        codec settings this mode does not use (a division run records no "ratio")."""
+        unused = {s.name for s in codecs.mode_settings()} - set(self.codec_params())
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in unused}
+
+    def kernels(self, device: str | torch.device) -> str | None:
+        """The kernel backend this run's codec resolves to on `device` ("torch", "cpu" or
+        "triton"; None for modes without kernels); recorded as "kernels" in config.json, so runs
+        with and without a C compiler (same seed, other noise stream) can be told apart."""
+        if self.mode == "normal":
+            return None
+        return codecs.get(self.mode, **self.codec_params()).backend_used(device)
 
 
 def evaluate(model: torch.nn.Module, loader: Iterable, device: str | torch.device) -> dict:
@@ -292,7 +348,8 @@ def _setup(config: RunConfig, ctx: distributed.Context, model: torch.nn.Module |
         torch.Generator().manual_seed(config.seed * 65536 + ctx.rank),
         DistributedSampler(range(len(ds.train_labels)), num_replicas=ctx.world_size,
                            rank=ctx.rank, shuffle=True, seed=config.seed),
-        {**dataclasses.asdict(config), "num_classes": num_classes, "world_size": ctx.world_size},
+        {**config.to_dict(), "num_classes": num_classes, "world_size": ctx.world_size,
+         "kernels": config.kernels(ctx.device)},
         saved=[str(p) for p in run.epoch_checkpoints()])
 
 

@@ -125,7 +125,7 @@ def test_presets_cover_the_paper_studies():
     assert set(sweep.presets()) >= {"ablation-cpu", "ablation-paper", "bq-cpu", "bq-paper"}
     for size in ("cpu", "paper"):
         ablation = sweep.expand(sweep.load_spec(f"ablation-{size}"), "out")
-        arms = {(r.config.mode, tuple(r.config.codec_params().items())) for r in ablation.runs}
+        arms = {(r.config.mode, tuple(r.config.label_params().items())) for r in ablation.runs}
         assert {mode for mode, _ in arms} == {"normal", "lfc", "hfc", "division",
                                               "division-no-hfc", "division-no-lfc", "quant"}
         assert {p for mode, p in arms if mode == "quant"} == {(("bits", 2),), (("bits", 4),)}

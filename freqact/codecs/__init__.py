@@ -6,12 +6,17 @@ Every codec has one interface::
     x_hat = codec.decode(packed)  # same shape, dtype and device as x
     packed.nbytes                 # exact bytes the packed form holds
 
-`get(name, **params)` builds a codec by name and `names()` lists them. The codecs live in small
+`get(name, **params)` builds a codec by name and `names()` lists them; each codec declares its
+settings once (`Codec.settings`, `freqact.codecs.settings.Setting`), and `modes()` /
+`mode_settings()` list the codecs a model trains with and their settings. The codecs live in small
 modules by family; importing this package registers all of them.
 """
-from freqact.codecs.base import Codec, Exact, get, names, register, tensor_nbytes
+from freqact.codecs.base import (
+    Codec, Exact, codec_class, get, mode_settings, modes, names, register, tensor_nbytes,
+)
 from freqact.codecs import cheap  # noqa: F401  (registers the exact-but-cheap codecs)
 from freqact.codecs.division import Division, DivisionNoHFC, DivisionNoLFC, Quant
+from freqact.codecs.settings import Setting
 from freqact.codecs.spectral import HighFrequency, LowFrequency, SpectralPacked
 from freqact.kernels.reference import DivisionPacked
 
@@ -25,8 +30,12 @@ __all__ = [
     "HighFrequency",
     "LowFrequency",
     "Quant",
+    "Setting",
     "SpectralPacked",
+    "codec_class",
     "get",
+    "mode_settings",
+    "modes",
     "names",
     "register",
     "tensor_nbytes",

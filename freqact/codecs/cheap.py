@@ -22,6 +22,8 @@ import torch
 
 from freqact import _validate, kernels
 from freqact.codecs.base import Codec, register, tensor_nbytes
+from freqact.codecs.settings import BACKEND, Setting
+from freqact.errors import UsageError, UsageTypeError
 
 
 @dataclass(frozen=True)
@@ -39,57 +41,58 @@ class BitsPacked:
         return tensor_nbytes(self.bits)
 
 
-def _decode_bits(packed: BitsPacked) -> torch.Tensor:
-    return kernels.unpack_mask(packed.bits, packed.shape, packed.dtype, packed.off, packed.on)
+class _Mask(Codec):
+    """The shared decode of the 1-bit codecs; `backend` chooses the mask kernels."""
+
+    whole_model = False  # exact only for the tensors the engine routes here
+
+    settings = (BACKEND,)
+
+    def decode(self, packed: BitsPacked) -> torch.Tensor:
+        return kernels.unpack_mask(packed.bits, packed.shape, packed.dtype, packed.off, packed.on,
+                                   backend=self._kernels)
 
 
 @register("relu-mask")
-class ReluMask(Codec):
+class ReluMask(_Mask):
     """1 bit per element: `x > 0`; decodes to 1/0 (ReLU's backward only tests `result > 0`)."""
-
-    whole_model = False  # exact only for the tensors the engine routes here
 
     def encode(self, x: torch.Tensor) -> BitsPacked:
         _validate.floating_tensor("x", x)
-        return BitsPacked(kernels.pack_mask(x, 0.0), x.shape, x.dtype, 0.0, 1.0)
-
-    def decode(self, packed: BitsPacked) -> torch.Tensor:
-        return _decode_bits(packed)
+        return BitsPacked(kernels.pack_mask(x, 0.0, backend=self._kernels), x.shape, x.dtype,
+                          0.0, 1.0)
 
 
 @register("sign-mask")
-class SignMask(Codec):
+class SignMask(_Mask):
     """1 bit per element: `x > 0`; decodes to +1/-1 (LeakyReLU's backward only tests `x > 0`)."""
-
-    whole_model = False  # exact only for the tensors the engine routes here
 
     def encode(self, x: torch.Tensor) -> BitsPacked:
         _validate.floating_tensor("x", x)
-        return BitsPacked(kernels.pack_mask(x, 0.0), x.shape, x.dtype, -1.0, 1.0)
-
-    def decode(self, packed: BitsPacked) -> torch.Tensor:
-        return _decode_bits(packed)
+        return BitsPacked(kernels.pack_mask(x, 0.0, backend=self._kernels), x.shape, x.dtype,
+                          -1.0, 1.0)
 
 
 @register("hardtanh-mask")
-class HardtanhMask(Codec):
+class HardtanhMask(_Mask):
     """1 bit per element: `min_val < x < max_val` (Hardtanh/ReLU6 backward tests exactly this).
 
     Decodes to the middle of the range where the bit is set and to `min_val` elsewhere; both give
     the same test result as the original values.
 
-    Args:
-        min_val: lower end of the linear range (ReLU6: 0).
-        max_val: upper end of the linear range (ReLU6: 6), > min_val.
+    Settings: `min_val`, `max_val` (> min_val), `backend`.
     """
 
-    whole_model = False  # exact only for the tensors the engine routes here
+    settings = (
+        Setting("min_val", float, -1.0, "lower end of the linear range (ReLU6: 0)"),
+        Setting("max_val", float, 1.0, "upper end of the linear range (ReLU6: 6), > min_val"),
+        BACKEND,
+    )
 
-    def __init__(self, min_val: float = -1.0, max_val: float = 1.0) -> None:
-        if not float(min_val) < float(max_val):
-            raise ValueError(f"max_val: expected a number > min_val={min_val}, got {max_val}")
-        self.min_val = float(min_val)
-        self.max_val = float(max_val)
+    def _check_settings(self) -> None:
+        if not self.min_val < self.max_val:
+            raise UsageError(f"max_val: expected a number > min_val={self.min_val}, "
+                             f"got {self.max_val}")
 
     def encode(self, x: torch.Tensor) -> BitsPacked:
         _validate.floating_tensor("x", x)
@@ -99,22 +102,17 @@ class HardtanhMask(Codec):
                 f"x: dtype {x.dtype} cannot represent a value strictly inside "
                 f"({self.min_val}, {self.max_val})"
             )
-        return BitsPacked(kernels.pack_mask(x, self.min_val, self.max_val), x.shape, x.dtype,
-                          self.min_val, mid)
-
-    def decode(self, packed: BitsPacked) -> torch.Tensor:
-        return _decode_bits(packed)
+        return BitsPacked(kernels.pack_mask(x, self.min_val, self.max_val, backend=self._kernels),
+                          x.shape, x.dtype, self.min_val, mid)
 
 
 @register("dropout-mask")
-class DropoutMask(Codec):
+class DropoutMask(_Mask):
     """1 bit per element for a tensor holding only 0 and one other value (dropout's scaled noise).
 
     The nonzero value is read from the tensor itself, so the decode is bit-identical. A tensor with
     more than one nonzero value is refused (ValueError): it is not a dropout mask.
     """
-
-    whole_model = False  # exact only for the tensors the engine routes here
 
     def encode(self, x: torch.Tensor) -> BitsPacked:
         _validate.floating_tensor("x", x)
@@ -122,18 +120,9 @@ class DropoutMask(Codec):
         scale = x.max().item() if x.numel() else 0.0
         if not torch.equal(keep, x == scale):
             raise ValueError("x: expected a dropout mask holding only 0 and one scale value")
-        return BitsPacked(kernels.pack_codes(keep.reshape(-1).view(torch.uint8), 1), x.shape,
-                          x.dtype, 0.0, scale)
-
-    def decode(self, packed: BitsPacked) -> torch.Tensor:
-        return _decode_bits(packed)
-
-
-def _ntuple(name: str, value, dims: int) -> tuple[int, ...]:
-    values = (value,) * dims if isinstance(value, int) else tuple(value)
-    if len(values) != dims or any(isinstance(v, bool) or not isinstance(v, int) for v in values):
-        raise TypeError(f"{name}: expected an int or {dims} ints, got {value!r}")
-    return values
+        return BitsPacked(kernels.pack_codes(keep.reshape(-1).view(torch.uint8), 1,
+                                             backend=self._kernels),
+                          x.shape, x.dtype, 0.0, scale)
 
 
 @dataclass(frozen=True)
@@ -155,25 +144,37 @@ class MaxPoolIndices(Codec):
     index exactly. Indices have shape (..., *out) over the last `len(input_size)` dims and index the
     flattened input plane of shape `input_size`.
 
-    Args:
-        kernel_size, stride, padding, dilation: the pooling geometry, an int or one int per dim.
-        input_size: spatial size of the pooled input, e.g. (H, W).
+    Settings: the pooling geometry `kernel_size`, `stride`, `padding`, `dilation` (an int or one
+    int per dim) and `input_size`, the spatial size of the pooled input, e.g. (H, W); all but
+    padding and dilation required.
 
     Raises:
-        ValueError: if the window has more than 256 elements (offsets would not fit a byte).
+        UsageError: if the window has more than 256 elements (offsets would not fit a byte).
     """
 
     whole_model = False  # exact only for the tensors the engine routes here
 
-    def __init__(self, kernel_size, stride, padding=0, dilation=1, *, input_size) -> None:
-        dims = len(input_size)
-        self.input_size = _ntuple("input_size", tuple(input_size), dims)
-        self.kernel_size = _ntuple("kernel_size", kernel_size, dims)
-        self.stride = _ntuple("stride", stride, dims)
-        self.padding = _ntuple("padding", padding, dims)
-        self.dilation = _ntuple("dilation", dilation, dims)
+    settings = (
+        Setting("kernel_size", tuple, 1, "pooling window", low=1, high=256, required=True),
+        Setting("stride", tuple, 1, "pooling stride", low=1, required=True),
+        Setting("padding", tuple, 0, "pooling padding", low=0),
+        Setting("dilation", tuple, 1, "pooling dilation", low=1),
+        Setting("input_size", tuple, 1, "spatial size of the pooled input, e.g. (H, W)", low=1,
+                required=True),
+    )
+
+    def _check_settings(self) -> None:
+        if not isinstance(self.input_size, tuple):
+            raise UsageTypeError(f"input_size: expected one int per dim, got {self.input_size!r}")
+        dims = len(self.input_size)
+        for name in ("kernel_size", "stride", "padding", "dilation"):
+            value = getattr(self, name)
+            values = (value,) * dims if isinstance(value, int) else value
+            if len(values) != dims:
+                raise UsageTypeError(f"{name}: expected an int or {dims} ints, got {value!r}")
+            setattr(self, name, values)
         if math.prod(self.kernel_size) > 256:
-            raise ValueError(
+            raise UsageError(
                 f"kernel_size: expected a window of at most 256 elements, got {self.kernel_size}"
             )
 

@@ -17,8 +17,9 @@ import dataclasses
 
 import torch
 
-from freqact import _validate, kernels
+from freqact import kernels
 from freqact.codecs.base import Codec, register
+from freqact.codecs.settings import BACKEND, BITS, BLOCK
 from freqact.kernels import reference
 from freqact.kernels.reference import DivisionPacked
 
@@ -33,32 +34,28 @@ class Division(Codec):
     just the bf16 rounding error of the block means), never NaN. A NaN/Inf anywhere in a map makes
     that whole map decode to NaN.
 
-    Args:
-        block: block size B >= 1 per spatial dim (a dim shorter than B is one block).
-        bits: residual bits Q, one of 1, 2, 4, 8.
+    Settings: `block` B (a dim shorter than B is one block), `bits` Q, `backend` (the kernels).
     """
 
-    def __init__(self, block: int = 8, bits: int = 2):
-        self.block = _validate.positive_int("block", block)
-        self.bits = reference.check_bits(bits)
+    settings = (BLOCK, BITS, BACKEND)
+    title = "DIVISION (block-mean LFC in bf16 + Q-bit HFC)"
 
     def encode(self, x: torch.Tensor) -> DivisionPacked:
-        return kernels.division_encode(x, self.block, self.bits)
+        return kernels.division_encode(x, self.block, self.bits, backend=self._kernels)
 
     def decode(self, packed: DivisionPacked) -> torch.Tensor:
-        return kernels.division_decode(packed)
+        return kernels.division_decode(packed, backend=self._kernels)
 
 
 @register("division-no-hfc")
 class DivisionNoHFC(Codec):
     """Ablation: keep only DIVISION's LFC (bf16 block means); decode is their nearest upsample.
 
-    Args:
-        block: block size B >= 1 per spatial dim.
+    Settings: `block` B (the torch reference computes the means: no kernels).
     """
 
-    def __init__(self, block: int = 8):
-        self.block = _validate.positive_int("block", block)
+    settings = (BLOCK,)
+    title = "DIVISION without its HFC (bf16 block means only)"
 
     def encode(self, x: torch.Tensor) -> DivisionPacked:
         return reference.lfc_encode(x, self.block)
@@ -72,13 +69,13 @@ class DivisionNoLFC(Division):
     """Ablation: keep only DIVISION's quantised HFC (x minus its bf16 block means); the block
     means are computed to form the residual, then dropped.
 
-    Args:
-        block: block size B >= 1 defining the residual.
-        bits: residual bits Q, one of 1, 2, 4, 8.
+    Settings: as `division` (`block` defines the residual).
     """
 
+    title = "DIVISION without its LFC (Q-bit residual only)"
+
     def encode(self, x: torch.Tensor) -> DivisionPacked:
-        packed = kernels.division_encode(x, self.block, self.bits)
+        packed = kernels.division_encode(x, self.block, self.bits, backend=self._kernels)
         return dataclasses.replace(packed, lfc=None, block=None)
 
 
@@ -87,15 +84,14 @@ class Quant(Codec):
     """Ablation: Q-bit per-map stochastic quantisation of x itself (bf16 min and step per map),
     with DIVISION's quantiser; unbiased like it.
 
-    Args:
-        bits: Q, one of 1, 2, 4, 8.
+    Settings: `bits` Q, `backend` (the kernels).
     """
 
-    def __init__(self, bits: int = 2):
-        self.bits = reference.check_bits(bits)
+    settings = (BITS, BACKEND)
+    title = "Q-bit per-map stochastic quantisation of x (no block means)"
 
     def encode(self, x: torch.Tensor) -> DivisionPacked:
-        return kernels.quantize_encode(x, self.bits)
+        return kernels.quantize_encode(x, self.bits, backend=self._kernels)
 
     def decode(self, packed: DivisionPacked) -> torch.Tensor:
-        return kernels.division_decode(packed)
+        return kernels.division_decode(packed, backend=self._kernels)

@@ -20,6 +20,7 @@ import torch
 
 from freqact import _validate, dct
 from freqact.codecs.base import Codec, register, tensor_nbytes
+from freqact.codecs.settings import RATIO
 from freqact.kernels.reference import as_maps
 
 
@@ -66,9 +67,7 @@ class _Spectral(Codec):
     """Shared encode/decode of `lfc` and `hfc`; subclasses set `_high`."""
 
     _high: bool
-
-    def __init__(self, ratio: float):
-        self.ratio = _validate.unit_ratio("ratio", ratio)
+    settings = (RATIO,)
 
     def encode(self, x: torch.Tensor) -> SpectralPacked:
         _validate.floating_tensor("x", x)
@@ -102,11 +101,11 @@ class LowFrequency(_Spectral):
     """LFC-ACT: cache the DCT coefficients inside the low-pass mask (W_d = ratio * S_d, rounded
     half up, at least 1); decode is the low-pass part of x.
 
-    Args:
-        ratio: kept fraction W/N of each spatial frequency axis, in (0, 1].
+    Settings: `ratio` W/N, required.
     """
 
     _high = False
+    title = "LFC-ACT (only the DCT low band cached)"
 
 
 @register("hfc")
@@ -114,8 +113,8 @@ class HighFrequency(_Spectral):
     """HFC-ACT: cache the DCT coefficients outside the low-pass mask; decode is the high-pass part
     of x (all zeros at ratio=1, where nothing is stored).
 
-    Args:
-        ratio: the low-pass mask's fraction W/N per spatial axis, in (0, 1].
+    Settings: `ratio`, the low-pass mask's W/N, required.
     """
 
     _high = True
+    title = "HFC-ACT (only the DCT high band cached)"

@@ -20,12 +20,14 @@ projection, itself a linear map) `trunc_normal_(std=0.02)` with zero bias, Layer
 """
 from __future__ import annotations
 
+import inspect
 import numbers
 from typing import Callable
 
 from torch import nn
 
 from freqact import _validate
+from freqact.errors import UsageError, UsageTypeError
 
 _REGISTRY: dict[str, Callable[..., nn.Module]] = {}
 
@@ -59,16 +61,25 @@ def get(name: str, num_classes: int = 10, **kwargs) -> nn.Module:
         The model, in training mode, with an attribute `input_shape`.
 
     Raises:
-        ValueError: if `name` is unknown (the message lists the known names) or a setting is out
-            of range.
-        TypeError: if a setting is not accepted by that model.
+        UsageError (a ValueError): if `name` is unknown (the message lists the known names) or a
+            setting is out of range.
+        UsageTypeError (a TypeError): if a setting is not one of that model's (the message lists
+            its settings) or has the wrong type. A TypeError from inside a builder is a bug and
+            propagates as it is.
     """
     _validate.choice("name", name, tuple(names()))
     _validate.positive_int("num_classes", num_classes)
-    try:
-        return _REGISTRY[name](num_classes=num_classes, **kwargs)
-    except TypeError as err:
-        raise TypeError(f"model {name!r}: {err}") from None
+    builder = _REGISTRY[name]
+    # The builder's signature is the model's declaration of its settings: check the keywords
+    # against it first, so that the call below raises only what the builder itself raises.
+    accepted = inspect.signature(builder).parameters
+    open_ended = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+    unknown = [key for key in kwargs if not open_ended and key not in accepted]
+    if unknown:
+        known = ", ".join(p for p in accepted if p != "num_classes") or "none"
+        raise UsageTypeError(f"model {name!r}: unknown setting {unknown[0]!r}; its settings: "
+                             f"{known}")
+    return builder(num_classes=num_classes, **kwargs)
 
 
 def init_conv_bn(model: nn.Module) -> None:
@@ -89,9 +100,9 @@ def init_conv_bn(model: nn.Module) -> None:
 def check_dropout(value: object) -> float:
     """Return `value` as float if it is a probability in [0, 1), else raise (argument `dropout`)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"dropout: expected a number in [0, 1), got {value!r}")
+        raise UsageTypeError(f"dropout: expected a number in [0, 1), got {value!r}")
     if not 0.0 <= float(value) < 1.0:
-        raise ValueError(f"dropout: expected a number in [0, 1), got {value}")
+        raise UsageError(f"dropout: expected a number in [0, 1), got {value}")
     return float(value)
 
 
