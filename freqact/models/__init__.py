@@ -134,6 +134,7 @@ BLOCK_TYPES: tuple[type[nn.Module], ...] = (
 __all__ = [
     "BLOCK_TYPES",
     "GPT",
+    "MLP",
     "BasicBlock",
     "Bottleneck",
     "ConvNeXt",
@@ -142,7 +143,6 @@ __all__ = [
     "DenseBlock",
     "DenseNet",
     "InvertedResidual",
-    "MLP",
     "MobileNetV2",
     "MobileNetV3",
     "RMSNorm",
