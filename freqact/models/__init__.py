@@ -105,6 +105,22 @@ def init_transformer(model: nn.Module) -> None:
             nn.init.zeros_(m.bias)
 
 
+def check_stages(**stages: object) -> None:
+    """Raise unless every keyword is a tuple of positive ints, all of one length >= 1.
+
+    Per-stage settings such as `depths=(2, 2), heads=(3, 6)`; errors name the argument
+    (`depths`, or `heads[1]` for one entry).
+    """
+    names = ", ".join(stages)
+    lengths = {len(v) if isinstance(v, tuple) else -1 for v in stages.values()}
+    if len(lengths) != 1 or lengths.pop() < 1:
+        got = ", ".join(repr(v) for v in stages.values())
+        raise TypeError(f"{names}: expected tuples of equal length >= 1, got {got}")
+    for name, values in stages.items():
+        for i, value in enumerate(values):
+            _validate.positive_int(f"{name}[{i}]", value)
+
+
 def check_dropout(value: object) -> float:
     """Return `value` as float if it is a probability in [0, 1), else raise (argument `dropout`)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

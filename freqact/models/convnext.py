@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from freqact import _validate
-from freqact.models import init_transformer, register
+from freqact.models import check_stages, init_transformer, register
 
 
 class ChannelsFirstLayerNorm(nn.LayerNorm):
@@ -68,13 +68,7 @@ class ConvNeXt(nn.Module):
         super().__init__()
         _validate.positive_int("num_classes", num_classes)
         _validate.positive_int("in_channels", in_channels)
-        if not isinstance(dims, tuple) or not isinstance(depths, tuple) \
-                or len(dims) != len(depths) or not dims:
-            raise TypeError(f"dims, depths: expected tuples of equal length >= 1, "
-                            f"got {dims!r}, {depths!r}")
-        for i, (dim, depth) in enumerate(zip(dims, depths)):
-            _validate.positive_int(f"dims[{i}]", dim)
-            _validate.positive_int(f"depths[{i}]", depth)
+        check_stages(dims=dims, depths=depths)
         self.input_shape = (in_channels, 32, 32)
 
         layers: list[nn.Module] = [nn.Conv2d(in_channels, dims[0], 2, stride=2),

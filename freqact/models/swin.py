@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freqact import _validate
-from freqact.models import check_dropout, init_transformer, register
+from freqact.models import check_dropout, check_stages, init_transformer, register
 
 
 def _windows(x: torch.Tensor, window: int) -> torch.Tensor:
@@ -130,6 +130,15 @@ class PatchMerging(nn.Module):
         return self.reduction(self.norm(x))
 
 
+def _check_stages(dim: int, depths: object, heads: object) -> None:
+    """Raise unless depths/heads are equal-length tuples of positive ints fitting `dim`."""
+    check_stages(depths=depths, heads=heads)
+    for i, h in enumerate(heads):
+        if (dim << i) % h:
+            raise ValueError(f"dim: expected dim * 2**{i} to be a multiple of heads[{i}]={h}, "
+                             f"got {dim}")
+
+
 class Swin(nn.Module):
     """Swin Transformer classifying by the mean token.
 
@@ -157,16 +166,7 @@ class Swin(nn.Module):
                             ("patch_size", patch_size), ("dim", dim), ("window", window),
                             ("in_channels", in_channels)):
             _validate.positive_int(name, value)
-        if not isinstance(depths, tuple) or not isinstance(heads, tuple) \
-                or len(depths) != len(heads) or not depths:
-            raise TypeError(f"depths, heads: expected tuples of equal length >= 1, "
-                            f"got {depths!r}, {heads!r}")
-        for i, (depth, h) in enumerate(zip(depths, heads)):
-            _validate.positive_int(f"depths[{i}]", depth)
-            _validate.positive_int(f"heads[{i}]", h)
-            if (dim << i) % h:
-                raise ValueError(f"dim: expected dim * 2**{i} to be a multiple of heads[{i}]={h}, "
-                                 f"got {dim}")
+        _check_stages(dim, depths, heads)
         dropout = check_dropout(dropout)
         size = image_size // patch_size
         if image_size % patch_size or size % (2 ** (len(depths) - 1)):
