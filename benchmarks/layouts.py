@@ -69,8 +69,8 @@ LAYOUTS = {
 TILE = (2, 4)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-FULL = {"vit": {"dim": 128, "depth": 4, "heads": 4}, "gpt": {"dim": 128, "depth": 4, "heads": 4},
-        "steps": 300, "batch": 64, "eval_batch": 32, "seeds": (0, 1, 2), "corpus_bytes": 2**21,
+FULL = {"vit": {"dim": 96, "depth": 4, "heads": 3}, "gpt": {"dim": 96, "depth": 4, "heads": 3},
+        "steps": 250, "batch": 48, "eval_batch": 32, "seeds": (0, 1, 2), "corpus_bytes": 2**21,
         "context": 64, "train_images": None}
 QUICK = {"vit": {"dim": 32, "depth": 1, "heads": 2, "patch_size": 8},
          "gpt": {"dim": 32, "depth": 1, "heads": 2}, "steps": 3, "batch": 8,
