@@ -12,7 +12,9 @@ noise seeds. Routes (what saved the tensor):
 - `norm_in`: inputs of LayerNorm (module) and every token-sized tensor RMSNorm's functional code
   saves (its input and the normalised input); the (N, T, 1) statistics stay exact.
 - `sdpa_qkvo`: q, k, v and the output that `F.scaled_dot_product_attention` saves (CPU flash
-  kernel), viewed as tokens (N, T, heads * head_dim); logsumexp stays exact.
+  kernel), viewed as tokens (N, T, heads * head_dim); logsumexp stays exact. `sdpa_qk` and
+  `sdpa_vo` are its two halves (q and k, whose error the backward's recomputed
+  exp(q k^T - logsumexp) amplifies; v and out).
 - `attn_probs`: softmax probabilities (N, heads, T, T), saved when attention runs as matmul +
   softmax (measured with SDPA's MATH backend, which is what explicit-softmax code saves), viewed
   as (N * heads, queries, keys): "tokens" are the queries, "features" the keys.
@@ -58,7 +60,9 @@ from freqact import data, models, text
 from freqact.kernels import reference
 
 BLOCK, BITS = 8, 2
-ROUTES = ("linear_in", "act_in", "norm_in", "sdpa_qkvo", "attn_probs")
+ROUTES = ("linear_in", "act_in", "norm_in", "sdpa_qkvo", "sdpa_qk", "sdpa_vo", "attn_probs")
+# Routes measured as the union of finer ones (a saved tensor belongs to exactly one fine route).
+ROUTE_PARTS = {"sdpa_qkvo": ("sdpa_qk", "sdpa_vo")}
 # layout name -> (block axis: "F" features, "T" tokens, "G" 2x4 tiles of the patch grid, stats)
 LAYOUTS = {
     "feat/tok": ("F", "token"), "feat/chan": ("F", "channel"),
@@ -139,13 +143,21 @@ class _FunctionNames(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.names: list[str] = []
+        self.args: list[tuple] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         self.names.append(getattr(func, "__name__", ""))
+        self.args.append(args)
         try:
             return func(*args, **(kwargs or {}))
         finally:
             self.names.pop()
+            self.args.pop()
+
+
+def _same_view(a: torch.Tensor, b: object) -> bool:
+    return (torch.is_tensor(b) and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and a.stride() == b.stride())
 
 
 def _token_view(t: torch.Tensor, inp: torch.Tensor | None):
@@ -155,13 +167,13 @@ def _token_view(t: torch.Tensor, inp: torch.Tensor | None):
     return t.reshape(inp.shape), lambda v: v.reshape(t.shape)
 
 
-def classify(t: torch.Tensor, func: str, module: nn.Module | None, inp: torch.Tensor | None,
-             math_attention: bool):
+def classify(t: torch.Tensor, func: str, args: tuple, module: nn.Module | None,
+             inp: torch.Tensor | None, math_attention: bool):
     """(route, view (M, T, F), back-function) for a saved tensor, or None (kept exact).
 
     Under the MATH attention backend, SDPA's (N, heads, T, T) tensors are the probabilities
     (the scaled q, k^T and v it also saves are not measured there); otherwise every 4D tensor
-    SDPA saves is q, k, v or out.
+    SDPA saves is q, k, v or out: `sdpa_qk` if it is the call's q or k argument, else `sdpa_vo`.
     """
     if func == "scaled_dot_product_attention" and t.dim() == 4:
         n, h, q, last = t.shape
@@ -170,7 +182,8 @@ def classify(t: torch.Tensor, func: str, module: nn.Module | None, inp: torch.Te
                 return None
             return "attn_probs", t.reshape(n * h, q, last), lambda v: v.reshape(t.shape)
         view = t.permute(0, 2, 1, 3).reshape(n, q, h * last)  # q/k/v/out -> tokens (N, T, F)
-        return "sdpa_qkvo", view, lambda v: v.reshape(n, q, h, last).permute(0, 2, 1, 3)
+        route = "sdpa_qk" if any(_same_view(t, a) for a in args[:2]) else "sdpa_vo"
+        return route, view, lambda v: v.reshape(n, q, h, last).permute(0, 2, 1, 3)
     route = None
     if func == "linear" and isinstance(module, nn.Linear):
         route = "linear_in"
@@ -192,8 +205,8 @@ class SavedTensorReplacer:
         seed: seed of the stochastic-rounding noise.
 
     Attributes:
-        counts: per route, Counter of "tensors", "elements" seen and, for the replaced route,
-            "bytes" of the packed forms.
+        counts: per fine route (not those of ROUTE_PARTS), Counter of "tensors", "elements"
+            seen and, for the replaced route, "bytes" of the packed forms; see `route_count`.
     """
 
     def __init__(self, model: nn.Module, route: str | None, layout: str, seed: int,
@@ -224,13 +237,14 @@ class SavedTensorReplacer:
         if key in self.memo:  # one tensor saved by two ops is packed once, as the engine does
             return self.memo[key][1]
         module, inp = self.modules[-1] if self.modules else (None, None)
-        func = self.functions.names[-1] if self.functions.names else ""
-        found = classify(t, func, module, inp, self.math_attention)
+        func, args = ((self.functions.names[-1], self.functions.args[-1])
+                      if self.functions.names else ("", ()))
+        found = classify(t, func, args, module, inp, self.math_attention)
         out = t
         if found is not None:
             route, view, back = found
             self.counts[route].update(tensors=1, elements=t.numel())
-            if route == self.route:
+            if route == self.route or route in ROUTE_PARTS.get(self.route, ()):
                 if self.layout == "as-saved":
                     out, nbytes = as_saved_roundtrip(t, self.gen)
                 else:
@@ -273,6 +287,11 @@ def gradients(model, x, y, *, route=None, layout="feat/tok", seed=0, math_attent
     return grads, replacer.counts
 
 
+def route_count(counts: dict[str, Counter], route: str, key: str) -> int:
+    """counts[route][key], summed over the parts of a union route."""
+    return sum(counts[r][key] for r in ROUTE_PARTS.get(route, (route,)))
+
+
 def compare(g: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
     """(relative Frobenius error, cosine) of gradient vector g against the exact one."""
     rel = float((g - exact).norm() / exact.norm())
@@ -290,7 +309,7 @@ def measure_routes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, layouts: 
         again, _ = gradients(model, x, y, math_attention=math_attention)
         if not torch.equal(exact, again):
             raise RuntimeError(f"{route}: the hooks alone changed the gradients")
-        if not counts[route]["tensors"]:
+        if not route_count(counts, route, "tensors"):
             continue
         rows = {}
         for layout in layouts:
@@ -301,12 +320,12 @@ def measure_routes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, layouts: 
                 rel, cos = compare(g, exact)
                 errors.append(rel)
                 cosines.append(cos)
-                nbytes = c[route]["bytes"]
-            rows[layout] = {"bytes_per_element": nbytes / counts[route]["elements"],
+                nbytes = route_count(c, route, "bytes")
+            rows[layout] = {"bytes_per_element": nbytes / route_count(counts, route, "elements"),
                             "rel_error": statistics.fmean(errors), "cosine": statistics.fmean(cosines),
                             "rel_error_per_seed": errors, "cosine_per_seed": cosines}
-        results[route] = {"tensors": counts[route]["tensors"],
-                          "elements": counts[route]["elements"], "layouts": rows}
+        results[route] = {"tensors": route_count(counts, route, "tensors"),
+                          "elements": route_count(counts, route, "elements"), "layouts": rows}
     return results
 
 

@@ -87,7 +87,9 @@ def test_hooks_alone_are_exact_and_routes_find_their_tensors():
     assert counts["act_in"]["tensors"] == 2
     # RMSNorm saves its input and the normalised input (5 norms); statistics stay exact.
     assert counts["norm_in"]["tensors"] == 5 * 2
-    assert counts["sdpa_qkvo"]["tensors"] == 2 * 4  # q, k, v, out per block
+    assert counts["sdpa_qk"]["tensors"] == 2 * 2  # q, k per block
+    assert counts["sdpa_vo"]["tensors"] == 2 * 2  # v, out per block
+    assert layouts.route_count(counts, "sdpa_qkvo", "tensors") == 2 * 4
     assert counts["attn_probs"]["tensors"] == 0
     _, math_counts = layouts.gradients(model, x, y, math_attention=True)
     assert math_counts["attn_probs"]["tensors"] == 2
