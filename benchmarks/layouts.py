@@ -47,7 +47,6 @@ import time
 from collections import Counter
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
-from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -254,7 +253,7 @@ class SavedTensorReplacer:
         self.memo[key] = (t, out)
         return out
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> SavedTensorReplacer:  # noqa: PYI034 (Python 3.10 has no Self)
         self._stack = ExitStack()
         for m in self._model.modules():
             self._stack.enter_context(m.register_forward_pre_hook(self._pre))
