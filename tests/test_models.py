@@ -11,7 +11,8 @@ from torch import nn
 
 from freqact import models
 
-NAMES = ["densenet121", "mlp", "mobilenet_v2", "resnet18", "resnet20", "resnet50", "vit"]
+NAMES = ["convnext", "densenet121", "gpt", "mlp", "mobilenet_v2", "mobilenet_v3", "resnet18",
+         "resnet20", "resnet50", "swin", "vit"]
 
 
 def _numel(model: nn.Module) -> int:
@@ -26,8 +27,13 @@ def _built(name: str, num_classes: int = 10) -> nn.Module:
 
 
 def _small_input(model: nn.Module, batch: int = 2) -> torch.Tensor:
-    """A batch of the model's input shape; ResNet-50 gets 64x64 instead of 224x224 to stay fast."""
+    """A batch of the model's input shape; ResNet-50 gets 64x64 instead of 224x224 to stay fast.
+
+    The language model gets int64 token ids (batch, T) in [0, vocabulary).
+    """
     shape = model.input_shape
+    if isinstance(model, models.GPT):
+        return torch.randint(0, model.vocab_size, (batch, *shape))
     if shape == (3, 224, 224):
         shape = (3, 64, 64)
     return torch.randn(batch, *shape)
@@ -71,6 +77,14 @@ def test_bad_num_classes(num_classes, error):
         ("densenet121", {"reduction": 0.0}, ValueError, "reduction"),
         ("vit", {"dim": 100, "heads": 3}, ValueError, "dim"),
         ("vit", {"image_size": 30}, ValueError, "image_size"),
+        ("swin", {"dim": 50}, ValueError, "dim"),
+        ("swin", {"depths": (2, 2)}, TypeError, "depths"),
+        ("swin", {"image_size": 36}, ValueError, "image_size"),
+        ("convnext", {"dims": (8, 0), "depths": (1, 1)}, ValueError, r"dims\[1\]"),
+        ("convnext", {"dims": [8]}, TypeError, "dims"),
+        ("gpt", {"dim": 12, "heads": 4}, ValueError, "dim"),
+        ("gpt", {"context": 0}, ValueError, "context"),
+        ("mobilenet_v3", {"dropout": 1.0}, ValueError, "dropout"),
     ],
 )
 def test_bad_settings_name_the_argument(name, kwargs, error, arg):
@@ -96,7 +110,7 @@ def test_forward_backward(name):
         h.remove()
     assert calls == {n: 1 for n, _ in leaves}
 
-    assert out.shape == (2, 7)
+    assert out.shape == ((2, *model.input_shape, 7) if name == "gpt" else (2, 7))
     assert out.dtype == torch.float32
     assert torch.isfinite(out).all()
     out.square().sum().backward()
@@ -123,7 +137,7 @@ def test_eval_is_deterministic_and_keeps_buffers(name):
     torch.testing.assert_close(alone, first[:1], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["mlp", "vit", "mobilenet_v2"])
+@pytest.mark.parametrize("name", ["mlp", "vit", "mobilenet_v2", "swin", "gpt"])
 def test_dropout_random_in_train_only(name):
     torch.manual_seed(0)
     model = models.get(name, dropout=0.5)
@@ -152,6 +166,7 @@ def test_no_inplace_activations(name):
         ("resnet20", 10, 272_474),
         ("resnet50", 1000, 25_557_032),  # torchvision resnet50
         ("mobilenet_v2", 10, 2_236_682),  # torchvision mobilenet_v2(num_classes=10), "2.24M"
+        ("mobilenet_v3", 1000, 2_542_856),  # torchvision mobilenet_v3_small(), "2.5M"
         ("densenet121", 10, 6_956_298),  # DenseNet-BC-121 CIFAR, "6.96M"
     ],
 )
@@ -183,8 +198,12 @@ def test_vit_parameter_count_by_formula():
         ("resnet50", models.Bottleneck, 16),
         ("densenet121", models.DenseBlock, 4),
         ("vit", models.TransformerBlock, 6),
+        ("swin", models.SwinBlock, 6),
+        ("convnext", models.ConvNeXtBlock, 6),
+        ("gpt", models.DecoderBlock, 4),
         ("mlp", None, 0),
         ("mobilenet_v2", None, 0),
+        ("mobilenet_v3", None, 0),
     ],
 )
 def test_block_types_found_by_isinstance(name, block_type, count):
@@ -240,7 +259,7 @@ def test_dense_block_output_starts_with_its_input():
 # --- input shapes and variants -------------------------------------------------------------------
 
 def test_input_shapes():
-    expected = {"resnet50": (3, 224, 224)}
+    expected = {"resnet50": (3, 224, 224), "gpt": (64,)}
     for name in NAMES:
         assert _built(name).input_shape == expected.get(name, (3, 32, 32)), name
 
@@ -299,3 +318,74 @@ def test_vit_trunc_normal_init():
             assert torch.equal(m.bias, torch.zeros_like(m.bias))
         elif isinstance(m, nn.LayerNorm):
             assert torch.equal(m.weight, torch.ones_like(m.weight))
+
+
+# --- the transformer and ConvNeXt families: properties of their building blocks ------------------
+
+def _receptive_tokens(block: nn.Module, size: int, dim: int, at: tuple[int, int]) -> set:
+    """Grid positions (row, col) whose input tokens change the block's output token `at`."""
+    x = torch.randn(1, size, size, dim, requires_grad=True)
+    block(x)[0, at[0], at[1]].sum().backward()
+    return {tuple(ix) for ix in (x.grad[0].abs().sum(-1) > 0).nonzero().tolist()}
+
+
+def test_swin_attends_within_windows_and_shifted_windows_do_not_wrap():
+    torch.manual_seed(0)
+    plain = models.SwinBlock(dim=8, heads=2, size=8, window=4, shift=0)
+    shifted = models.SwinBlock(dim=8, heads=2, size=8, window=4, shift=2)
+    window = {(r, c) for r in range(4) for c in range(4)}
+    assert _receptive_tokens(plain, 8, 8, (0, 0)) == window
+    # The cyclic shift puts rows/cols 6-7 next to 0-1 in one window; the mask keeps them apart.
+    assert _receptive_tokens(shifted, 8, 8, (0, 0)) == {(r, c) for r in (0, 1) for c in (0, 1)}
+    assert _receptive_tokens(shifted, 8, 8, (3, 3)) == {(r, c) for r in range(2, 6)
+                                                        for c in range(2, 6)}
+
+
+def test_convnext_block_with_zero_layer_scale_is_identity():
+    block = models.ConvNeXtBlock(dim=8, layer_scale=0.0)
+    x = torch.randn(2, 8, 7, 7)
+    with torch.no_grad():
+        assert torch.equal(block(x), x)
+
+
+def test_gpt_is_causal():
+    model = _built("gpt", 11)
+    ids = torch.randint(0, 11, (2, 20))
+    changed = ids.clone()
+    changed[:, 12] = (ids[:, 12] + 1) % 11
+    with torch.no_grad():
+        a, b = model(ids), model(changed)
+    assert a.shape == (2, 20, 11)
+    assert torch.equal(a[:, :12], b[:, :12])
+    assert not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+def test_gpt_rejects_float_or_too_long_input():
+    model = _built("gpt")
+    for bad in (torch.randn(1, 8), torch.zeros(1, 65, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="ids"):
+            model(bad)
+
+
+def test_rmsnorm_matches_float64_formula():
+    norm = models.RMSNorm(16)
+    nn.init.normal_(norm.weight)
+    x = torch.randn(3, 5, 16)
+    x64 = x.double()
+    expected = norm.weight.double() * x64 / x64.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+    torch.testing.assert_close(norm(x).double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_rotary_scores_depend_on_relative_position_only():
+    from freqact.models.gpt import _rotary_tables, _rotate
+
+    cos, sin = _rotary_tables(32, 8)
+    q, k = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+
+    def score(i: int, j: int) -> float:
+        qi = _rotate(q.float().expand(1, 1, 32, 8), cos, sin)[0, 0, i]
+        kj = _rotate(k.float().expand(1, 1, 32, 8), cos, sin)[0, 0, j]
+        return float(qi @ kj)
+
+    assert score(5, 2) == pytest.approx(score(20, 17), rel=1e-5, abs=1e-5)
+    assert score(5, 2) != pytest.approx(score(5, 3), rel=1e-3)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freqact import _validate
-from freqact.models import check_dropout, register
+from freqact.models import check_dropout, init_transformer, register
 
 
 class Attention(nn.Module):
@@ -117,13 +117,7 @@ class ViT(nn.Module):
     def _init_weights(self) -> None:
         nn.init.trunc_normal_(self.cls_token, std=0.02)
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Conv2d)):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        init_transformer(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4 or tuple(x.shape[1:]) != self.input_shape:
