@@ -13,7 +13,7 @@ from freqact.codecs.base import Codec, Exact, get, names, register, tensor_nbyte
 from freqact.codecs import cheap  # noqa: F401  (registers the exact-but-cheap codecs)
 from freqact.codecs.division import Division, DivisionNoHFC, DivisionNoLFC, Quant
 from freqact.codecs.spectral import HighFrequency, LowFrequency, SpectralPacked
-from freqact.kernels.reference import DivisionPacked
+from freqact.kernels.format import DivisionPacked
 
 __all__ = [
     "Codec",

@@ -1,7 +1,8 @@
 """DIVISION (Wang et al. 2022) and its Table 1(c) ablations: `division`, `division-no-hfc`,
 `division-no-lfc`, `quant`.
 
-All four store a `freqact.kernels.reference.DivisionPacked` (format in docs/ARCHITECTURE.md) and
+They store the packed types of `freqact.kernels.format` (`DivisionPacked`, `LfcPacked`,
+`QuantPacked`; format in docs/ARCHITECTURE.md) and
 read x as maps (N, C, *S): (N, F) Linear inputs are one 1D map per sample (C = 1), (N, C, L) and
 (N, T, F) token tensors are 1D maps along the last dim (one per channel / token), (N, C, H, W) and
 (N, C, D, H, W) are 2D / 3D maps. Blocks and per-map statistics follow those maps.
@@ -13,14 +14,11 @@ Per (n, c) map of P elements with Q bits and nb = ceil(S / B) blocks per dim, nb
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from freqact import _validate, kernels
 from freqact.codecs.base import Codec, register
-from freqact.kernels import reference
-from freqact.kernels.reference import DivisionPacked
+from freqact.kernels.format import DivisionPacked, LfcPacked, QuantPacked, check_bits
 
 
 @register("division")
@@ -40,7 +38,7 @@ class Division(Codec):
 
     def __init__(self, block: int = 8, bits: int = 2):
         self.block = _validate.positive_int("block", block)
-        self.bits = reference.check_bits(bits)
+        self.bits = check_bits(bits)
 
     def encode(self, x: torch.Tensor) -> DivisionPacked:
         return kernels.division_encode(x, self.block, self.bits)
@@ -60,11 +58,11 @@ class DivisionNoHFC(Codec):
     def __init__(self, block: int = 8):
         self.block = _validate.positive_int("block", block)
 
-    def encode(self, x: torch.Tensor) -> DivisionPacked:
-        return reference.lfc_encode(x, self.block)
+    def encode(self, x: torch.Tensor) -> LfcPacked:
+        return kernels.lfc_encode(x, self.block)
 
-    def decode(self, packed: DivisionPacked) -> torch.Tensor:
-        return reference.division_decode(packed)
+    def decode(self, packed: LfcPacked) -> torch.Tensor:
+        return kernels.division_decode(packed)
 
 
 @register("division-no-lfc")
@@ -77,9 +75,9 @@ class DivisionNoLFC(Division):
         bits: residual bits Q, one of 1, 2, 4, 8.
     """
 
-    def encode(self, x: torch.Tensor) -> DivisionPacked:
-        packed = kernels.division_encode(x, self.block, self.bits)
-        return dataclasses.replace(packed, lfc=None, block=None)
+    def encode(self, x: torch.Tensor) -> QuantPacked:
+        p = kernels.division_encode(x, self.block, self.bits)
+        return QuantPacked(p.lo, p.step, p.codes, p.shape, p.dtype, p.bits)
 
 
 @register("quant")
@@ -92,10 +90,10 @@ class Quant(Codec):
     """
 
     def __init__(self, bits: int = 2):
-        self.bits = reference.check_bits(bits)
+        self.bits = check_bits(bits)
 
-    def encode(self, x: torch.Tensor) -> DivisionPacked:
+    def encode(self, x: torch.Tensor) -> QuantPacked:
         return kernels.quantize_encode(x, self.bits)
 
-    def decode(self, packed: DivisionPacked) -> torch.Tensor:
+    def decode(self, packed: QuantPacked) -> torch.Tensor:
         return kernels.division_decode(packed)

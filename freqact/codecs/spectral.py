@@ -1,6 +1,6 @@
 """The paper's frequency-domain caches: `lfc` (LFC-ACT) and `hfc` (HFC-ACT).
 
-x is read as maps (N, C, *S) by the same rule as the DIVISION codecs (`reference.as_maps`): 1D maps
+x is read as maps (N, C, *S) by the same rule as the DIVISION codecs (`format.as_maps`): 1D maps
 for (N, F) (one per sample) and rank-3 tensors, 2D for rank 4, 3D for rank 5. Each map's
 orthonormal DCT X is taken over its spatial dims, and the cache holds only the coefficients that
 `freqact.dct.lowpass_mask(S, ratio)` keeps (`lfc`: the top-left W_1 x ... x W_d corner) or drops
@@ -20,7 +20,7 @@ import torch
 
 from freqact import _validate, dct
 from freqact.codecs.base import Codec, register, tensor_nbytes
-from freqact.kernels.reference import as_maps
+from freqact.kernels.format import as_maps
 
 
 @dataclass(frozen=True)
