@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import csv
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 from torch import nn

@@ -9,7 +9,7 @@ projections, so the share of energy each captures is ‖LFC‖²/‖x‖² and w
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -17,7 +17,6 @@ from torch import nn
 from freqact import _validate, dct
 from freqact.analysis.common import capture, map_dims, select_layers
 from freqact.kernels import format
-
 
 BLOCKS = (2, 4, 8, 16)
 

@@ -424,25 +424,25 @@ int freqact_division_encode(const int64_t *geom, int bits, const float *x, const
 /* --- decode --------------------------------------------------------------------------------- */
 
 /* The decode's edge rule for one map whose sums did not all stay finite: where the sum is not
- * finite but q * (step / 2) + (lfc / 2 + lo / 2) is, out = that doubled, saturated at +-FLT_MAX.
+ * finite but q * (step / 4) + (lfc / 4 + lo / 4) is, out = that times 4, saturated at +-FLT_MAX.
  * base, scaled, row: the decode's scratch (overwritten). */
-static void redo_at_half_scale(const geometry *g, const uint16_t *lfc, float lo_f, float step_f,
+static void redo_at_quarter_scale(const geometry *g, const uint16_t *lfc, float lo_f, float step_f,
                                const uint8_t *q, float *base, float *scaled, float *row,
                                float *out) {
     for (int64_t b = 0; b < g->nblocks; b++)
-        base[b] = lfc ? bf16_to_float(lfc[b]) * 0.5f + lo_f * 0.5f : lo_f * 0.5f;
-    for (int64_t i = 0; i < g->numel; i++) scaled[i] = (float)q[i] * (step_f * 0.5f);
+        base[b] = lfc ? bf16_to_float(lfc[b]) * 0.25f + lo_f * 0.25f : lo_f * 0.25f;
+    for (int64_t i = 0; i < g->numel; i++) scaled[i] = (float)q[i] * (step_f * 0.25f);
     add_block_values(g, scaled, base, 1.0f, row, scaled);
     for (int64_t i = 0; i < g->numel; i++) {
         if (isfinite(out[i]) || !isfinite(scaled[i])) continue;
-        const float v = scaled[i] * 2.0f;
+        const float v = scaled[i] * 4.0f;
         out[i] = isfinite(v) ? v : (v > 0 ? FLT_MAX : -FLT_MAX);
     }
 }
 
 /* out = q * step + (float(lfc) + lo) per element, float32 (maps, numel), for the maps that geom
- * describes; lfc NULL: the quant form. A sum that overflows float32 while its half-scale sum
- * q * (step / 2) + base / 2 is finite becomes that sum doubled, saturated at +-FLT_MAX (the edge
+ * describes; lfc NULL: the quant form. A sum that overflows float32 while its quarter-scale sum
+ * q * (step / 4) + base / 4 is finite becomes that sum times 4, saturated at +-FLT_MAX (the edge
  * rule of the reference). Returns 0, or -1 if scratch memory ran out. */
 int freqact_division_decode(const int64_t *geom, int bits, const uint16_t *lfc,
                             const uint16_t *lo, const uint16_t *step, const uint8_t *codes,
@@ -471,7 +471,7 @@ int freqact_division_decode(const int64_t *geom, int bits, const uint16_t *lfc,
                 add_block_values(&g, scaled, base, 1.0f, row, o);
                 int overflow = 0;
                 for (int64_t i = 0; i < g.numel; i++) overflow |= !isfinite(o[i]);
-                if (overflow) redo_at_half_scale(&g, lfc ? lfc + m * g.nblocks : NULL, lo_f,
+                if (overflow) redo_at_quarter_scale(&g, lfc ? lfc + m * g.nblocks : NULL, lo_f,
                                                  step_f, q, base, scaled, row, o);
             }
         }

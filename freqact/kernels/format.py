@@ -29,10 +29,10 @@ from freqact import _validate
 __all__ = [
     "BF16_MAX",
     "BITS",
+    "PACKED_TYPES",
     "DivisionPacked",
     "Geometry",
     "LfcPacked",
-    "PACKED_TYPES",
     "QuantPacked",
     "as_maps",
     "bf16_directed",

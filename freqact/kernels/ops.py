@@ -8,7 +8,6 @@ function. `encode` and `decode` call them with the backend signature of `referen
 
 Importing this module does not import triton; the kernels are imported when an op first runs.
 """
-from typing import Optional
 
 import torch
 
@@ -19,7 +18,7 @@ __all__ = ["decode", "division_decode", "division_encode", "encode"]
 
 @torch.library.custom_op("freqact::division_encode", mutates_args=())
 def division_encode(
-    x: torch.Tensor, block: int, bits: int, noise: Optional[torch.Tensor], seed: int
+    x: torch.Tensor, block: int, bits: int, noise: torch.Tensor | None, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Encode x with the fused kernel; see `triton_division.encode` for shapes.
 
@@ -65,13 +64,19 @@ def _division_decode_fake(lfc, lo, step, codes, shape, dtype, block, bits):
     return lfc.new_empty(shape, dtype=dtype)
 
 
+def _op_block(geom: Geometry) -> int:
+    """A block giving the same geometry that fits the ops' int64 argument (B above every dim
+    covers the whole map)."""
+    return min(geom.block, max(geom.spatial))
+
+
 def encode(x: torch.Tensor, geom: Geometry, bits: int, noise: torch.Tensor | None, seed: int):
     """The Triton backend's encode (`reference.encode`'s signature; the full form only)."""
-    return division_encode(x, geom.block, bits, noise, seed)
+    return division_encode(x, _op_block(geom), bits, noise, seed)
 
 
 def decode(lfc: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes: torch.Tensor,
            geom: Geometry, bits: int, dtype: torch.dtype) -> torch.Tensor:
     """The Triton backend's decode (`reference.decode`'s signature; the full form only)."""
     maps = [geom.n, geom.c, *geom.spatial]
-    return division_decode(lfc, lo, step, codes, maps, dtype, geom.block, bits)
+    return division_decode(lfc, lo, step, codes, maps, dtype, _op_block(geom), bits)

@@ -217,13 +217,13 @@ def lfc_encode(x: torch.Tensor, geom: Geometry) -> torch.Tensor:
     return _means(as_maps(x).float(), geom)
 
 
-def _sum_without_overflow(q: torch.Tensor, step: torch.Tensor, base: torch.Tensor,
-                          out: torch.Tensor) -> torch.Tensor:
-    """Where q * step + base overflowed though the half-scale sum is finite, that sum doubled and
-    saturated at ±FLT_MAX (the edge rule; halving is exact at these magnitudes)."""
-    half = q * (step * 0.5) + base * 0.5
-    redo = ~out.isfinite() & half.isfinite()
-    return torch.where(redo, (half * 2).clamp(-FLT_MAX, FLT_MAX), out)
+def _base(lfc: torch.Tensor | None, lo: torch.Tensor | None, geom: Geometry,
+          scale: float = 1.0) -> torch.Tensor:
+    """scale * lfc + scale * lo, broadcastable over a blocked map (N, C, nb1, 1, nb2, 1, ...)."""
+    if lfc is None:
+        return _per_map(lo.float() * scale, geom)
+    base = _per_block(lfc.float() * scale)
+    return base if lo is None else base + _per_map(lo.float() * scale, geom)
 
 
 @torch.no_grad()
@@ -233,24 +233,24 @@ def decode(lfc: torch.Tensor | None, lo: torch.Tensor | None, step: torch.Tensor
     """upsample(lfc.float()) + lo.float() + step.float() * q in float32, leaving out the parts
     that are None (lfc: the quant form; lo, step, codes: the LFC-only form), cast to dtype.
 
+    Edge rule: where that sum overflows but q * (step / 4) + (lfc / 4 + lo / 4) is finite, the
+    latter times 4, saturated at ±FLT_MAX (the scaling is exact at these magnitudes); then finite
+    values saturate at dtype's largest finite value (`format.saturating_cast`).
+
     Returns:
         Maps (N, C, *S) of dtype, on the parts' device.
     """
     shape = [geom.n, geom.c, *geom.spatial]
-    if lfc is None:
-        base = _per_map(lo.float(), geom)
-    else:
-        base = _per_block(lfc.float())  # (N, C, nb1, 1, nb2, 1, ...)
-        if lo is not None:
-            base = base + _per_map(lo.float(), geom)
+    base = _base(lfc, lo, geom)
     full = [geom.n, geom.c, *(n for b, nb in zip(geom.sizes, geom.counts) for n in (nb, b))]
     if codes is None:
         out = base.expand(full)
     else:
         q = blocked(unpack_codes(codes, geom.numel, bits).reshape(shape), geom.sizes,
                     geom.counts).to(torch.float32)
-        step = _per_map(step.float(), geom)
-        out = q.mul(step).add_(base)
+        out = q.mul(_per_map(step.float(), geom)).add_(base)
         if not bool(out.isfinite().all()):
-            out = _sum_without_overflow(q, step, base, out)
+            quarter = q.mul(_per_map(step.float() * 0.25, geom)).add_(_base(lfc, lo, geom, 0.25))
+            redo = ~out.isfinite() & quarter.isfinite()
+            out = torch.where(redo, (quarter * 4).clamp(-FLT_MAX, FLT_MAX), out)
     return saturating_cast(_unblocked(out, geom), dtype).contiguous()

@@ -59,7 +59,7 @@ import triton.language as tl
 
 from freqact.kernels.format import FLT_MAX, SUM_SCALE, Geometry, as_maps
 
-__all__ = ["encode", "decode"]
+__all__ = ["decode", "encode"]
 
 # Tile sizes: a program handles about _TILE elements at a time (encode loops over its maps in such
 # tiles, decode gives each program one). Powers of two, as Triton's block shapes must be.
@@ -286,12 +286,12 @@ def _decode_kernel(
     lo = _bf16_value(tl.load(lo_ptr + mm, mask=has_map, other=0))
     step = _bf16_value(tl.load(step_ptr + mm, mask=has_map, other=0))
     # Same order as the reference: (mean + lo) + step * q. Edge rule: an overflowed sum is
-    # redone at half scale, doubled and saturated; then finite values saturate at OUT_MAX.
+    # redone at quarter scale, times 4 and saturated; then finite values saturate at OUT_MAX.
     mean = _bf16_value(mean_bits)
     v = (mean + lo) + step * q
-    half = (mean * 0.5 + lo * 0.5) + (step * 0.5) * q
-    redo = (tl.abs(v) > _FLT_MAX) & (tl.abs(half) <= _FLT_MAX)
-    v = tl.where(redo, tl.minimum(tl.maximum(half * 2.0, -_FLT_MAX), _FLT_MAX), v)
+    quarter = (mean * 0.25 + lo * 0.25) + (step * 0.25) * q
+    redo = ~(tl.abs(v) <= _FLT_MAX) & (tl.abs(quarter) <= _FLT_MAX)  # NaN: inf - inf
+    v = tl.where(redo, tl.minimum(tl.maximum(quarter * 4.0, -_FLT_MAX), _FLT_MAX), v)
     v = tl.where((tl.abs(v) > OUT_MAX) & (tl.abs(v) <= _FLT_MAX),
                  tl.where(v > 0, OUT_MAX, -OUT_MAX), v)
     out = out_ptr + mm * P + f
