@@ -369,9 +369,10 @@ def bf16_directed(v: torch.Tensor, up: bool) -> torch.Tensor:
 
 
 def saturating_cast(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cast float32 v to dtype, finite values saturating at dtype's largest finite value (a plain
-    cast for every value that fits; infinities and NaNs are kept)."""
-    limit = min(torch.finfo(dtype).max, FLT_MAX)
-    if limit < FLT_MAX and bool(v.abs().gt(limit).logical_and_(v.isfinite()).any()):
+    """Cast v to dtype, finite values saturating at dtype's largest finite value (a plain cast
+    for every value that fits; infinities and NaNs are kept)."""
+    limit = torch.finfo(dtype).max
+    if limit < torch.finfo(v.dtype).max and bool(
+            v.abs().gt(limit).logical_and_(v.isfinite()).any()):
         v = torch.where(v.isfinite(), v.clamp(-limit, limit), v)
     return v.to(dtype)
