@@ -180,3 +180,17 @@ def test_a_hung_compiler_times_out_and_both_errors_are_kept(fresh, tmp_path, mon
     monkeypatch.setenv("CC", str(fail))
     reason = cpu.unavailable_reason()
     assert "no OpenMP" in reason and "no compiler either" in reason
+
+
+@needs_cc
+def test_a_library_writable_by_others_or_owned_by_another_user_is_rebuilt(fresh):
+    path = cpu.library_path(fresh)
+    cpu._build(path)
+    path.chmod(0o666)
+    assert not cpu._verified(path)
+    if os.getuid() == 0:  # only root can hand a file to another user
+        path.chmod(0o700)
+        os.chown(path, 65534, 65534)
+        assert not cpu._verified(path)
+    assert cpu.available(), cpu.unavailable_reason()
+    assert cpu._verified(path) and path.stat().st_uid == os.getuid()
