@@ -29,6 +29,8 @@ from freqact import _validate
 __all__ = [
     "BF16_MAX",
     "BITS",
+    "FLT_MAX",
+    "SUM_SCALE",
     "PACKED_TYPES",
     "DivisionPacked",
     "Geometry",
@@ -38,10 +40,12 @@ __all__ = [
     "bf16_directed",
     "bf16_nearest",
     "block_means",
+    "blocked",
     "check_bits",
     "check_packed",
     "geometry",
     "map_dims",
+    "maps_shape",
     "saturating_cast",
 ]
 
