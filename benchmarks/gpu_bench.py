@@ -35,13 +35,13 @@ if not __package__:  # run as a file (python benchmarks/X.py): make the repo roo
 from benchmarks.codec_bench import DIVISION, MODES, training_loss
 from benchmarks.common import RESULTS_DIR, format_table, median_time, write_results
 from freqact import kernels, models
-from freqact.kernels import reference
+from freqact.kernels import format
 
 ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Correctness cases: (shape, dtypes, bits values). Every case compiles its own kernels (shapes are
 # compile-time constants), so the full grid runs on one odd 2D shape and spot checks on the rest.
 FULL = {
-    "checks": [((3, 5, 7, 9), ALL_DTYPES, reference.BITS), ((2, 3, 20, 23), ALL_DTYPES, (2,)),
+    "checks": [((3, 5, 7, 9), ALL_DTYPES, format.BITS), ((2, 3, 20, 23), ALL_DTYPES, (2,)),
                ((4, 64, 56, 56), (torch.float32,), (2,)), ((2, 7), (torch.bfloat16,), (4,)),
                ((2, 3, 3, 9, 10), (torch.float16,), (1, 8))],
     "copy_bytes": 2**30,
@@ -53,7 +53,7 @@ FULL = {
     "repeats": 10,
 }
 QUICK = {
-    "checks": [((1, 2, 5, 9), ALL_DTYPES, reference.BITS)],
+    "checks": [((1, 2, 5, 9), ALL_DTYPES, format.BITS)],
     "copy_bytes": 2**20,
     "codec_shapes": [(2, 3, 9, 9)],
     "codec_dtypes": [torch.float32],
@@ -89,13 +89,13 @@ def check_correctness(device: str, cases) -> list[dict]:
                 x = x.to(device=device, dtype=dtype)
                 noise = torch.rand(shape, generator=gen).to(device)
                 got = kernels.division_encode(x, 8, bits, noise, backend="triton")
-                want = reference.division_encode(x, 8, bits, noise)
+                want = kernels.division_encode(x, 8, bits, noise, backend="torch")
                 same = all(
                     torch.equal(getattr(got, f).view(torch.uint8), getattr(want, f).view(torch.uint8))
                     for f in ("lfc", "lo", "step", "codes"))
-                x_hat = reference.division_decode(want)
+                x_hat = kernels.division_decode(want, backend="torch")
                 cross = (torch.equal(kernels.division_decode(want, backend="triton"), x_hat)
-                         and torch.equal(reference.division_decode(got), x_hat))
+                         and torch.equal(kernels.division_decode(got, backend="torch"), x_hat))
                 rows.append({"shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
                              "bits": bits, "bytes_equal": same, "cross_decode_equal": cross,
                              "ok": same and cross})

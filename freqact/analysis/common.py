@@ -9,15 +9,16 @@ from __future__ import annotations
 import contextlib
 import csv
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 from torch import nn
 
 from freqact import _validate, data
-from freqact.rundir import RunDir
+from freqact.kernels import format
 from freqact.models import BLOCK_TYPES
+from freqact.rundir import RunDir
 
 LAYER_SETS = ("blocks", "convs", "all")
 
@@ -26,19 +27,15 @@ WEIGHT_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 
 
 def map_dims(x: torch.Tensor) -> int:
-    """How many trailing dims of `x` form one activation map (the codecs' map-layout policy).
+    """How many trailing dims of `x` form one activation map (the codecs' map-layout policy,
+    `kernels.format.map_dims`).
 
     (N, F) and (N, C, L) / (N, T, F) hold 1D maps, (N, C, H, W) 2D maps, (N, C, D, H, W) 3D maps.
 
     Raises:
         ValueError: for any other rank.
     """
-    dims = {2: 1, 3: 1, 4: 2, 5: 3}.get(x.dim())
-    if dims is None:
-        raise ValueError(
-            f"x: expected activations of rank 2 to 5 ((N, F) ... (N, C, D, H, W)), got shape {tuple(x.shape)}"
-        )
-    return dims
+    return format.map_dims(x.shape)
 
 
 def select_layers(model: nn.Module, layers: str = "blocks") -> list[tuple[str, nn.Module, str]]:

@@ -9,16 +9,14 @@ projections, so the share of energy each captures is ‖LFC‖²/‖x‖² and w
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from freqact import _validate, dct
 from freqact.analysis.common import capture, map_dims, select_layers
-
-_AVG_POOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+from freqact.kernels import format
 
 BLOCKS = (2, 4, 8, 16)
 
@@ -37,11 +35,7 @@ def block_means(x: torch.Tensor, block: int, dims: int = 2) -> torch.Tensor:
     """
     _validate.floating_tensor("x", x)
     _validate.positive_int("block", block)
-    sizes = x.shape[x.dim() - dims :]
-    kernel = [min(block, s) for s in sizes]
-    # with zero padding and ceil_mode, a partial edge window divides by the elements it covers
-    pooled = _AVG_POOL[dims](x.reshape(-1, 1, *sizes), kernel, kernel, ceil_mode=True)
-    return pooled.reshape(*x.shape[: x.dim() - dims], *pooled.shape[2:])
+    return format.block_means(x, block, dims)
 
 
 def block_mean_lfc(x: torch.Tensor, block: int, dims: int = 2) -> torch.Tensor:

@@ -18,7 +18,7 @@ from freqact.codecs import cheap  # noqa: F401  (registers the exact-but-cheap c
 from freqact.codecs.division import Division, DivisionNoHFC, DivisionNoLFC, Quant
 from freqact.codecs.settings import Setting
 from freqact.codecs.spectral import HighFrequency, LowFrequency, SpectralPacked
-from freqact.kernels.reference import DivisionPacked
+from freqact.kernels.format import DivisionPacked
 
 __all__ = [
     "Codec",

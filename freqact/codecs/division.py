@@ -1,7 +1,8 @@
 """DIVISION (Wang et al. 2022) and its Table 1(c) ablations: `division`, `division-no-hfc`,
 `division-no-lfc`, `quant`.
 
-All four store a `freqact.kernels.reference.DivisionPacked` (format in docs/ARCHITECTURE.md) and
+They store the packed types of `freqact.kernels.format` (`DivisionPacked`, `LfcPacked`,
+`QuantPacked`; format in docs/ARCHITECTURE.md) and
 read x as maps (N, C, *S): (N, F) Linear inputs are one 1D map per sample (C = 1), (N, C, L) and
 (N, T, F) token tensors are 1D maps along the last dim (one per channel / token), (N, C, H, W) and
 (N, C, D, H, W) are 2D / 3D maps. Blocks and per-map statistics follow those maps.
@@ -13,15 +14,12 @@ Per (n, c) map of P elements with Q bits and nb = ceil(S / B) blocks per dim, nb
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from freqact import kernels
 from freqact.codecs.base import Codec, register
 from freqact.codecs.settings import BACKEND, BITS, BLOCK
-from freqact.kernels import reference
-from freqact.kernels.reference import DivisionPacked
+from freqact.kernels.format import DivisionPacked, LfcPacked, QuantPacked
 
 
 @register("division")
@@ -57,11 +55,11 @@ class DivisionNoHFC(Codec):
     settings = (BLOCK,)
     title = "DIVISION without its HFC (bf16 block means only)"
 
-    def encode(self, x: torch.Tensor) -> DivisionPacked:
-        return reference.lfc_encode(x, self.block)
+    def encode(self, x: torch.Tensor) -> LfcPacked:
+        return kernels.lfc_encode(x, self.block)
 
-    def decode(self, packed: DivisionPacked) -> torch.Tensor:
-        return reference.division_decode(packed)
+    def decode(self, packed: LfcPacked) -> torch.Tensor:
+        return kernels.division_decode(packed)
 
 
 @register("division-no-lfc")
@@ -74,9 +72,9 @@ class DivisionNoLFC(Division):
 
     title = "DIVISION without its LFC (Q-bit residual only)"
 
-    def encode(self, x: torch.Tensor) -> DivisionPacked:
-        packed = kernels.division_encode(x, self.block, self.bits, backend=self._kernels)
-        return dataclasses.replace(packed, lfc=None, block=None)
+    def encode(self, x: torch.Tensor) -> QuantPacked:
+        p = kernels.division_encode(x, self.block, self.bits, backend=self._kernels)
+        return QuantPacked(p.lo, p.step, p.codes, p.shape, p.dtype, p.bits)
 
 
 @register("quant")
@@ -90,8 +88,8 @@ class Quant(Codec):
     settings = (BITS, BACKEND)
     title = "Q-bit per-map stochastic quantisation of x (no block means)"
 
-    def encode(self, x: torch.Tensor) -> DivisionPacked:
+    def encode(self, x: torch.Tensor) -> QuantPacked:
         return kernels.quantize_encode(x, self.bits, backend=self._kernels)
 
-    def decode(self, packed: DivisionPacked) -> torch.Tensor:
+    def decode(self, packed: QuantPacked) -> torch.Tensor:
         return kernels.division_decode(packed, backend=self._kernels)

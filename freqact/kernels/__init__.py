@@ -16,10 +16,17 @@ those cannot be had, with a one-time warning when the C kernels fail to build), 
 or "cpu". "triton" on a CPU tensor runs the kernels in Triton's interpreter and is only allowed
 with TRITON_INTERPRET=1 (set before triton is first imported). Triton covers the full division
 form; the quant and no-lfc forms use the C kernels on the CPU and the reference elsewhere.
+
+Every public function here validates its arguments against each other before any backend runs
+(`format.check_packed` for packed forms): dtypes, shapes, counts and bits must agree with the
+buffers, so no backend reads or writes past one; a bad argument is a one-line TypeError or
+ValueError naming it. Empty inputs (no maps) give empty outputs, from the reference.
 """
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import os
 import warnings
 
@@ -27,12 +34,23 @@ import torch
 
 from freqact import _validate
 from freqact.kernels import cpu, ops, reference
-from freqact.kernels.reference import DivisionPacked
+from freqact.kernels.format import (
+    DivisionPacked,
+    Geometry,
+    LfcPacked,
+    QuantPacked,
+    check_bits,
+    check_packed,
+    geometry,
+)
 
-__all__ = ["BACKENDS", "DivisionPacked", "backend_for", "division_decode", "division_encode",
-           "pack_codes", "pack_mask", "quantize_encode", "unpack_codes", "unpack_mask"]
+__all__ = ["BACKENDS", "DivisionPacked", "LfcPacked", "QuantPacked", "backend_for",
+           "division_decode", "division_encode", "lfc_encode", "pack_codes", "pack_mask",
+           "quantize_encode", "unpack_codes", "unpack_mask"]
 
 BACKENDS = ("auto", "torch", "triton", "cpu")
+# The backend modules, one signature (`reference`'s docstring).
+_MODULES = {"torch": reference, "cpu": cpu, "triton": ops}
 
 
 @functools.cache
@@ -91,10 +109,65 @@ def backend_for(t: torch.Tensor, backend: str | None = None) -> str:
     return choice
 
 
+def _module(t: torch.Tensor, backend: str | None, serves: tuple[str, ...], empty: bool = False):
+    """The backend module for work on tensors like t: the chosen one if it is in `serves`, else
+    the reference (which also takes empty work: a kernel launch over no maps is not needed)."""
+    chosen = backend_for(t, backend)
+    return _MODULES[chosen] if chosen in serves and not empty else reference
+
+
+# --- argument checks -----------------------------------------------------------------------------
+
+
+def _tensor(name: str, t: object, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """t if it is a dense (strided) tensor of dtype (any floating dtype when None), else raise."""
+    if dtype is None:
+        _validate.floating_tensor(name, t)
+    elif not isinstance(t, torch.Tensor) or t.dtype != dtype:
+        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TypeError(f"{name}: expected a {dtype} tensor, got {got}")
+    if t.layout != torch.strided or t.is_nested:
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
+    return t
+
+
+def _check_x(x: object, block: int | None) -> Geometry:
+    geom = geometry(_tensor("x", x).shape, block)
+    if geom.maps and not geom.numel:
+        raise ValueError(f"x: expected maps of at least one element, got shape {tuple(x.shape)}")
+    return geom
+
+
+def _check_noise(noise: object, x: torch.Tensor) -> None:
+    if noise is None:
+        return
+    _tensor("noise", noise, torch.float32)
+    if noise.shape != x.shape or noise.device != x.device:
+        raise ValueError(
+            f"noise: expected shape {tuple(x.shape)} on {x.device} (like x), "
+            f"got shape {tuple(noise.shape)} on {noise.device}"
+        )
+
+
+def _real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a real number, got {value!r}")
+    return float(value)
+
+
+def _count(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name}: expected an integer >= 0, got {value!r}")
+    return int(value)
+
+
 def _seed(noise: torch.Tensor | None) -> int:
     """The noise-stream seed of a fused kernel: drawn from torch's default CPU generator, so
     every call differs and torch.manual_seed makes runs reproducible (unused when noise given)."""
     return 0 if noise is not None else int(torch.randint(2**62, (), dtype=torch.int64))
+
+
+# --- the codec functions -------------------------------------------------------------------------
 
 
 @torch.no_grad()  # a codec, not a differentiable op: nothing may link the packed form to x
@@ -104,9 +177,9 @@ def division_encode(x: torch.Tensor, block: int = 8, bits: int = 2,
     """Encode activation maps in the DIVISION packed format (docs/ARCHITECTURE.md).
 
     Args:
-        x: floating tensor of rank 2 to 5, read as maps (N, C, *S) (see `reference.as_maps`);
-            any strides.
-        block: block size B >= 1 of the block means.
+        x: floating tensor of rank 2 to 5, read as maps (N, C, *S) (see `format.as_maps`);
+            any strides; no maps (N = 0) gives an empty form.
+        block: block size B >= 1 of the block means (a B above a dim covers that dim).
         bits: bits per residual code, one of 1, 2, 4, 8.
         noise: optional float32 uniforms in [0, 1) shaped like x, used instead of random draws
             (every backend then gives the same bytes).
@@ -118,87 +191,112 @@ def division_encode(x: torch.Tensor, block: int = 8, bits: int = 2,
         generator (Philox on Triton, SplitMix64 in C) seeded from torch's default generator.
 
     Raises:
-        TypeError, ValueError: on bad arguments (see `reference.check_division_args`) or backend.
+        TypeError, ValueError: on bad arguments (naming them) or backend.
     """
-    reference.check_division_args(x, block, bits, noise)
-    chosen = backend_for(x, backend)
-    if chosen == "torch":
-        return reference.division_encode(x, block, bits, noise)
-    if chosen == "cpu":
-        lfc, lo, step, codes = cpu.division_encode(x, block, bits, noise, _seed(noise))
-    else:
-        lfc, lo, step, codes = ops.division_encode(x, block, bits, noise, _seed(noise))
-    return DivisionPacked(lfc, lo, step, codes, x.shape, x.dtype, block, bits)
+    geom = _check_x(x, _validate.positive_int("block", block))
+    check_bits(bits)
+    _check_noise(noise, x)
+    module = _module(x, backend, ("torch", "cpu", "triton"), empty=not geom.maps)
+    lfc, lo, step, codes = module.encode(x, geom, bits, noise, _seed(noise))
+    return DivisionPacked(lfc, lo, step, codes, x.shape, x.dtype, geom.block, bits)
 
 
 @torch.no_grad()
 def quantize_encode(x: torch.Tensor, bits: int = 2, noise: torch.Tensor | None = None, *,
-                    backend: str | None = None) -> DivisionPacked:
-    """Per-map Q-bit stochastic quantisation of x itself (`reference.quantize_encode`).
+                    backend: str | None = None) -> QuantPacked:
+    """Per-map Q-bit stochastic quantisation of x itself (the `quant` ablation).
 
     Args:
         x, bits, noise, backend: as in `division_encode` (no block; "triton" runs the reference).
 
     Returns:
-        DivisionPacked with lo/step bf16 (N, C) and codes uint8 (N, C, ceil(P * bits / 8)).
+        QuantPacked with lo/step bf16 (N, C) and codes uint8 (N, C, ceil(P * bits / 8)).
     """
-    reference.check_division_args(x, 1, bits, noise)
-    if backend_for(x, backend) == "cpu":
-        _, lo, step, codes = cpu.division_encode(x, None, bits, noise, _seed(noise))
-        return DivisionPacked(None, lo, step, codes, x.shape, x.dtype, None, bits)
-    return reference.quantize_encode(x, bits, noise)
+    geom = _check_x(x, None)
+    check_bits(bits)
+    _check_noise(noise, x)
+    module = _module(x, backend, ("torch", "cpu"), empty=not geom.maps)
+    _, lo, step, codes = module.encode(x, geom, bits, noise, _seed(noise))
+    return QuantPacked(lo, step, codes, x.shape, x.dtype, bits)
 
 
 @torch.no_grad()
-def division_decode(packed: DivisionPacked, *, backend: str | None = None) -> torch.Tensor:
+def lfc_encode(x: torch.Tensor, block: int = 8) -> LfcPacked:
+    """Keep only DIVISION's block means (the `division-no-hfc` ablation; the reference on any
+    device). A NaN/Inf stays confined to its own block.
+
+    Returns:
+        LfcPacked with lfc bf16 (N, C, *nb); nbytes per map = 2 * prod(nb).
+    """
+    geom = _check_x(x, _validate.positive_int("block", block))
+    return LfcPacked(reference.lfc_encode(x, geom), x.shape, x.dtype, geom.block)
+
+
+@torch.no_grad()
+def division_decode(packed: DivisionPacked | LfcPacked | QuantPacked, *,
+                    backend: str | None = None) -> torch.Tensor:
     """Rebuild the activation maps from any DIVISION-family packed form (from any backend).
 
     Args:
-        packed: a DivisionPacked. Forms without codes (LFC only) use the reference, and so do
-            forms without lfc on CUDA.
+        packed: a DivisionPacked, LfcPacked or QuantPacked whose tensors agree with its shape,
+            block and bits (`format.check_packed`). LFC-only forms use the reference, and so do
+            quant forms on CUDA.
         backend: "auto", "torch", "triton" or "cpu"; None reads FREQACT_KERNELS.
 
     Returns:
         Contiguous tensor of packed.shape and packed.dtype on the packed tensors' device.
 
     Raises:
-        TypeError: if packed is not a DivisionPacked.
-        ValueError, RuntimeError: on a bad backend choice (see `backend_for`).
+        TypeError, ValueError: if packed is malformed (naming the part), or on a bad backend.
     """
-    if not isinstance(packed, DivisionPacked):
-        raise TypeError(f"packed: expected a DivisionPacked, got {type(packed).__name__}")
-    chosen = "torch" if packed.codes is None else backend_for(packed.codes, backend)
-    if chosen == "cpu":
-        return cpu.division_decode(packed.lfc, packed.lo, packed.step, packed.codes, packed.shape,
-                                   packed.dtype, packed.block, packed.bits)
-    if chosen == "torch" or packed.lfc is None:
-        return reference.division_decode(packed)
-    return ops.division_decode(packed.lfc, packed.lo, packed.step, packed.codes,
-                               list(packed.shape), packed.dtype, packed.block, packed.bits)
+    geom = check_packed(packed)
+    if isinstance(packed, LfcPacked):
+        out = reference.decode(packed.lfc, None, None, None, geom, None, packed.dtype)
+        return out.reshape(packed.shape)
+    lfc = packed.lfc if isinstance(packed, DivisionPacked) else None
+    serves = ("torch", "cpu", "triton") if lfc is not None else ("torch", "cpu")
+    module = _module(packed.codes, backend, serves, empty=not geom.maps)
+    out = module.decode(lfc, packed.lo, packed.step, packed.codes, geom, packed.bits,
+                        packed.dtype)
+    return out.reshape(packed.shape)
 
 
 def pack_codes(q: torch.Tensor, bits: int, *, backend: str | None = None) -> torch.Tensor:
     """Pack Q-bit codes along the last dim, 8 // Q per byte (see `reference.pack_codes`).
 
     Args:
-        q: uint8 codes < 2**bits, shape (..., P), on any device.
+        q: uint8 codes < 2**bits, shape (..., P) (at least one dim), on any device.
         bits: Q in {1, 2, 4, 8}.
         backend: as in `division_encode`; the C kernels on the CPU, the reference elsewhere.
 
     Returns:
         uint8 (..., ceil(P * Q / 8)); code i at bit (i % (8 // Q)) * Q of byte i // (8 // Q).
     """
-    if backend_for(q, backend) == "cpu":
-        return cpu.pack_codes(q, bits)
-    return reference.pack_codes(q, bits)
+    _tensor("q", q, torch.uint8)
+    check_bits(bits)
+    if q.dim() == 0:
+        raise ValueError("q: expected a tensor with at least one dim, got a scalar")
+    if bits < 8 and q.numel() and int(q.max()) >= 2**bits:
+        raise ValueError(f"q: expected codes < 2**bits = {2**bits}, got {int(q.max())}")
+    return _module(q, backend, ("torch", "cpu"), empty=not q.numel()).pack_codes(q, bits)
 
 
 def unpack_codes(codes: torch.Tensor, count: int, bits: int, *,
                  backend: str | None = None) -> torch.Tensor:
-    """Inverse of `pack_codes`: uint8 (..., nbytes) -> uint8 codes (..., count)."""
-    if backend_for(codes, backend) == "cpu":
-        return cpu.unpack_codes(codes, count, bits)
-    return reference.unpack_codes(codes, count, bits)
+    """Inverse of `pack_codes`: uint8 (..., ceil(count * bits / 8)) -> uint8 codes (..., count).
+
+    Raises:
+        ValueError: if codes' last dim is not ceil(count * bits / 8) (it must hold count codes).
+    """
+    _tensor("codes", codes, torch.uint8)
+    count = _count("count", count)
+    check_bits(bits)
+    need = -(-count * bits // 8)
+    if codes.dim() == 0 or codes.shape[-1] != need:
+        raise ValueError(f"codes: expected a last dim of ceil(count * bits / 8) = {need} bytes "
+                         f"for count={count}, bits={bits}, got shape {tuple(codes.shape)}")
+    module = _module(codes, backend, ("torch", "cpu"), empty=not codes.numel())
+    return module.unpack_codes(codes, count, bits)
 
 
 def pack_mask(x: torch.Tensor, lower: float, upper: float | None = None, *,
@@ -214,16 +312,32 @@ def pack_mask(x: torch.Tensor, lower: float, upper: float | None = None, *,
     Returns:
         uint8 (ceil(x.numel() / 8),) on x's device.
     """
-    if x.dtype == torch.float32 and backend_for(x, backend) == "cpu":
-        return cpu.pack_mask(x, lower, upper)
-    return reference.pack_mask(x, lower, upper)
+    _tensor("x", x)
+    lower = _real("lower", lower)
+    upper = None if upper is None else _real("upper", upper)
+    serves = ("torch", "cpu") if x.dtype == torch.float32 else ("torch",)
+    return _module(x, backend, serves, empty=not x.numel()).pack_mask(x, lower, upper)
 
 
 def unpack_mask(packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype, off: float,
                 on: float, *, backend: str | None = None) -> torch.Tensor:
     """Inverse of `pack_mask` up to the values: a tensor of `shape` and `dtype` holding `on`
-    where the bit is set and `off` elsewhere (both rounded to dtype)."""
-    if dtype == torch.float32 and backend_for(packed, backend) == "cpu":
-        return cpu.unpack_mask(packed, shape, off, on)
-    return reference.unpack_mask(packed, shape, dtype, off, on)
+    where the bit is set and `off` elsewhere (both rounded to dtype).
 
+    Raises:
+        ValueError: if packed is not 1-D with ceil(prod(shape) / 8) bytes.
+    """
+    _tensor("packed", packed, torch.uint8)
+    if not isinstance(shape, (tuple, list, torch.Size)):
+        raise TypeError(f"shape: expected a tuple of sizes, got {type(shape).__name__}")
+    shape = torch.Size([_count("shape", s) for s in shape])
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
+    off, on = _real("off", off), _real("on", on)
+    need = -(-math.prod(shape) // 8)
+    if packed.dim() != 1 or packed.numel() != need:
+        raise ValueError(f"packed: expected a 1-D tensor of ceil(prod(shape) / 8) = {need} bytes "
+                         f"for shape {tuple(shape)}, got shape {tuple(packed.shape)}")
+    serves = ("torch", "cpu") if dtype == torch.float32 else ("torch",)
+    module = _module(packed, backend, serves, empty=not packed.numel())
+    return module.unpack_mask(packed, shape, dtype, off, on)

@@ -2,16 +2,28 @@
 
 `cpu_division.c` (beside this file) encodes and decodes the DIVISION packed format in one pass
 over each map's data, and packs/unpacks Q-bit codes; the torch reference stays the
-specification (see the C file's header for what may differ: the order of block sums).
+specification (see the C file's header for what may differ: the order of block sums). The
+functions here share the reference's signatures (`reference.encode`, `reference.decode`, ...)
+and hand the C code the sizes of `format.Geometry`, each range-checked for a C int64 first
+(ctypes would silently truncate a Python int that does not fit).
 
 Build: the first call compiles the C file with the system compiler (`$CC`, else `cc`; with
-OpenMP, or single-threaded where the compiler has none) into a shared library cached under
-`$FREQACT_CACHE` (default `~/.cache/freqact`), named by a hash of the source, compiler, flags and
-CPU (model name and instruction-set flags), and written to a temporary name then renamed, so
-concurrent processes (DDP ranks, pytest workers) never load a half-written file. It is loaded
-with ctypes and given tensors by data pointer; OpenMP threads follow `torch.get_num_threads()`.
-When no compiler works, `available()` is False, `unavailable_reason()` says why, and the
-dispatch in `freqact.kernels` falls back to the reference.
+OpenMP, or single-threaded where the compiler has none; each attempt limited to
+`COMPILE_TIMEOUT_S` seconds) into a shared library cached under `$FREQACT_CACHE` (default
+`~/.cache/freqact`), named by a hash of the source, compiler, flags and CPU (model name and
+instruction-set flags), written to a temporary name then renamed, so concurrent processes (DDP
+ranks, pytest workers) never load a half-written file. Beside it, `<name>.sha256` records the
+library's content hash (written atomically after the library).
+
+Loading never runs code that freqact did not build for this user: the cache folder must be owned
+by the user and not writable by group or others (otherwise a RuntimeWarning, and the library is
+built in a fresh private temporary folder instead); the library file must be a regular file owned
+by the user, not group/other-writable, and match its recorded hash; a file that fails any check
+(a zero-byte or garbage entry, a missing hash) is rebuilt. A library without the kernel symbols
+makes `available()` False like a failed build. It is loaded with ctypes and given tensors by data
+pointer; OpenMP threads follow `torch.get_num_threads()`. When no compiler works,
+`available()` is False, `unavailable_reason()` says why, and the dispatch in `freqact.kernels`
+falls back to the reference.
 """
 from __future__ import annotations
 
@@ -21,31 +33,35 @@ import hashlib
 import os
 import platform
 import shlex
+import stat
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 
-from freqact.kernels.reference import as_maps, packed_shapes
+from freqact.kernels.format import Geometry, as_maps, saturating_cast
 
-__all__ = ["available", "division_decode", "division_encode", "library_path", "pack_codes",
+__all__ = ["COMPILE_TIMEOUT_S", "available", "decode", "encode", "library_path", "pack_codes",
            "pack_mask", "unavailable_reason", "unpack_codes", "unpack_mask"]
 
 SOURCE = Path(__file__).with_name("cpu_division.c")
 # No -ffast-math and no FMA contraction: each float operation must round as torch's does.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c11", "-fPIC", "-shared")
+# Seconds one compiler run may take (a hung compiler is killed and the build fails).
+COMPILE_TIMEOUT_S = 120.0
 
 _i64, _int, _u64, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p
 _SIGNATURES = {
-    "freqact_division_encode": ([_i64] * 5 + [_int] + [_ptr] * 2 + [_u64] + [_ptr] * 4 + [_int],
-                                _int),
-    "freqact_division_decode": ([_i64] * 5 + [_int] + [_ptr] * 5 + [_int], _int),
+    "freqact_division_encode": ([_ptr, _int] + [_ptr] * 2 + [_u64] + [_ptr] * 4 + [_int], _int),
+    "freqact_division_decode": ([_ptr, _int] + [_ptr] * 5 + [_int], _int),
     "freqact_pack_codes": ([_i64, _i64, _int, _ptr, _ptr, _int], None),
     "freqact_unpack_codes": ([_i64, _i64, _int, _ptr, _ptr, _int], None),
     "freqact_pack_mask": ([_i64, _ptr, ctypes.c_float, _int, ctypes.c_float, _ptr, _int], None),
     "freqact_unpack_mask": ([_i64, _ptr, ctypes.c_float, ctypes.c_float, _ptr, _int], None),
 }
+_INT64_MAX = 2**63 - 1
 
 
 def _compiler() -> list[str]:
@@ -63,48 +79,132 @@ def _cpu_model() -> str:
     return "\n".join(next((line for line in lines if line.startswith(w)), "") for w in wanted)
 
 
-def library_path() -> Path:
-    """Where the compiled library for this source, compiler, flags and CPU lives (or will)."""
+def _cache_dir() -> Path:
+    return Path(os.environ.get("FREQACT_CACHE") or Path.home() / ".cache" / "freqact")
+
+
+def library_path(cache: Path | None = None) -> Path:
+    """Where the compiled library for this source, compiler, flags and CPU lives (or will), in
+    `cache` (default: $FREQACT_CACHE or ~/.cache/freqact)."""
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(_compiler()).encode(), " ".join(CFLAGS).encode(),
                  platform.machine().encode(), _cpu_model().encode()):  # -march=native
         key.update(part + b"\0")
-    cache = Path(os.environ.get("FREQACT_CACHE") or Path.home() / ".cache" / "freqact")
-    return cache / f"cpu_division-{key.hexdigest()[:16]}.so"
+    return (cache or _cache_dir()) / f"cpu_division-{key.hexdigest()[:16]}.so"
+
+
+def _hash_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _unsafe(path: Path, want_dir: bool) -> str | None:
+    """Why `path` may not be trusted (None when it may): not ours, writable by others, a link."""
+    st = os.lstat(path)
+    kind_ok = stat.S_ISDIR(st.st_mode) if want_dir else stat.S_ISREG(st.st_mode)
+    if not kind_ok:
+        return f"{path} is not a {'folder' if want_dir else 'regular file'}"
+    if st.st_uid != os.getuid():
+        return f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _write_atomically(target: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _build(target: Path) -> None:
-    """Compile SOURCE to target; without -fopenmp if the compiler refuses it (single-threaded)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    """Compile SOURCE to target; without -fopenmp if the compiler refuses it (single-threaded).
+    Records the library's content hash beside it. Raises OSError with every compiler error."""
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
     os.close(fd)
     try:
         errors = []
         for flags in (CFLAGS, tuple(f for f in CFLAGS if f != "-fopenmp")):
             cmd = [*_compiler(), *flags, str(SOURCE), "-o", tmp]
-            done = subprocess.run(cmd, capture_output=True, text=True)
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                                      timeout=COMPILE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                errors.append(f"{shlex.join(cmd)} timed out after {COMPILE_TIMEOUT_S:g} s")
+                break  # a hung compiler would hang again
             if done.returncode == 0:
+                os.chmod(tmp, 0o700)
+                digest = _digest(Path(tmp))
                 os.replace(tmp, target)
+                _write_atomically(_hash_path(target), digest.encode())
                 return
             errors.append(f"{shlex.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
-        raise OSError(errors[0])
+        raise OSError("; ".join(errors))
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _verified(path: Path) -> bool:
+    """Whether `path` is a library that this user built: safe file, hash as recorded."""
+    try:
+        if _unsafe(path, want_dir=False) or _unsafe(_hash_path(path), want_dir=False):
+            return False
+        return path.stat().st_size > 0 and _hash_path(path).read_text().strip() == _digest(path)
+    except OSError:
+        return False
+
+
+def _trusted_cache() -> Path:
+    """The cache folder if it is safe (created private when missing), else a fresh private
+    temporary folder (with a RuntimeWarning saying why)."""
+    cache = _cache_dir()
+    try:
+        cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+        reason = _unsafe(cache, want_dir=True)
+    except OSError as err:
+        reason = str(err)
+    if reason is None:
+        return cache
+    private = Path(tempfile.mkdtemp(prefix="freqact-kernels-"))
+    warnings.warn(f"freqact: not using the kernel cache: {reason}; building the C kernels in "
+                  f"{private} instead", RuntimeWarning, stacklevel=4)
+    return private
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    """Build path unless it holds a verified library, then load it (rebuilding once if a
+    verified file still does not load)."""
+    if not _verified(path):
+        _build(path)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError:
+        _build(path)
+        return ctypes.CDLL(str(path))
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | str:
     """The loaded library, or a string saying why it cannot be had."""
     try:
-        path = library_path()
-        if not path.exists():
-            _build(path)
-        lib = ctypes.CDLL(str(path))
+        path = library_path(_trusted_cache())
+        lib = _load(path)
     except (OSError, subprocess.SubprocessError) as err:
         return f"the C kernels could not be built or loaded: {err}"
     for name, (args, result) in _SIGNATURES.items():
-        fn = getattr(lib, name)
+        fn = getattr(lib, name, None)
+        if fn is None:
+            return f"the C kernels could not be loaded: {path} has no symbol {name}"
         fn.argtypes, fn.restype = args, result
     return lib
 
@@ -127,63 +227,69 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def _dhw(spatial: tuple[int, ...]) -> tuple[int, int, int]:
-    """A map's spatial dims as (D, H, W): 1D maps are 1 x 1 x L, 2D maps 1 x H x W."""
-    return (1,) * (3 - len(spatial)) + tuple(spatial)
+def _c_int64(name: str, value: int) -> int:
+    """value if it fits a C int64 >= 0 (ctypes would silently keep only its low 64 bits)."""
+    if not 0 <= value <= _INT64_MAX:
+        raise ValueError(f"{name}: expected an integer in [0, 2**63 - 1], got {value}")
+    return value
 
 
-def division_encode(x: torch.Tensor, block: int | None, bits: int, noise: torch.Tensor | None,
-                    seed: int):
-    """Encode like `reference.division_encode` (block int) or `quantize_encode` (block None).
+def _threads() -> int:
+    return min(torch.get_num_threads(), 2**31 - 1)
 
-    Arguments are assumed valid (the dispatch checks them). x: CPU floating tensor of rank 2-5,
-    any layout and dtype (read as float32 in logical order); noise: float32 like x or None;
-    seed: a 64-bit integer for the noise stream when noise is None.
+
+def _geometry_args(geom: Geometry, bits: int):
+    """The C geometry array (see the enum in cpu_division.c), every value range-checked."""
+    values = (geom.maps, *geom.dhw, *geom.block_dhw, *geom.counts_dhw, geom.code_bytes(bits))
+    # The largest index the C code forms: maps * numel (and its code bytes) must fit too.
+    _c_int64("x.numel()", geom.maps * max(geom.numel, geom.code_bytes(bits)))
+    return (ctypes.c_int64 * len(values))(*(_c_int64("geometry", v) for v in values))
+
+
+def encode(x: torch.Tensor, geom: Geometry, bits: int, noise: torch.Tensor | None, seed: int):
+    """As `reference.encode` (full form when geom.block is set, else the quant form), for a CPU
+    tensor; seed: a 64-bit integer for the noise stream when noise is None.
 
     Returns:
         (lfc, lo, step, codes): bf16 (N, C, *nb) or None, bf16 (N, C), bf16 (N, C),
         uint8 (N, C, ceil(P * bits / 8)).
     """
     lib = _lib()
+    args = _geometry_args(geom, bits)
     xm = as_maps(x).float().contiguous()
-    n, c, *spatial = xm.shape
-    lfc_shape, stat_shape, codes_shape = packed_shapes(x.shape, block, bits)
-    lfc = None if block is None else torch.empty(lfc_shape, dtype=torch.bfloat16)
-    lo = torch.empty(stat_shape, dtype=torch.bfloat16)
-    step = torch.empty(stat_shape, dtype=torch.bfloat16)
-    codes = torch.empty(codes_shape, dtype=torch.uint8)
+    lfc = None if geom.block is None else torch.empty(geom.lfc_shape, dtype=torch.bfloat16)
+    lo = torch.empty(geom.stat_shape, dtype=torch.bfloat16)
+    step = torch.empty(geom.stat_shape, dtype=torch.bfloat16)
+    codes = torch.empty(geom.codes_shape(bits), dtype=torch.uint8)
     if noise is not None:
-        noise = as_maps(noise).contiguous()
+        noise = as_maps(noise).float().contiguous()
     status = lib.freqact_division_encode(
-        n * c, *_dhw(tuple(spatial)), block or 0, bits, xm.data_ptr(),
-        None if noise is None else noise.data_ptr(), seed % 2**64,
+        args, bits, xm.data_ptr(), None if noise is None else noise.data_ptr(), seed % 2**64,
         None if lfc is None else lfc.data_ptr(), lo.data_ptr(), step.data_ptr(), codes.data_ptr(),
-        torch.get_num_threads())
+        _threads())
     if status != 0:
         raise MemoryError("division_encode: out of memory for the per-thread scratch buffers")
     return lfc, lo, step, codes
 
 
-def division_decode(lfc: torch.Tensor | None, lo: torch.Tensor, step: torch.Tensor,
-                    codes: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
-                    block: int | None, bits: int) -> torch.Tensor:
-    """Decode like `reference.division_decode` for forms with codes (lfc None: no block means).
+def decode(lfc: torch.Tensor | None, lo: torch.Tensor, step: torch.Tensor, codes: torch.Tensor,
+           geom: Geometry, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """As `reference.decode` for forms with codes (lfc None: the quant form).
 
     Returns:
-        Contiguous tensor of `shape` and `dtype` on the CPU.
+        Contiguous maps (N, C, *S) of dtype on the CPU.
     """
     lib = _lib()
-    maps_shape = as_maps(torch.empty(shape, device="meta")).shape
-    out = torch.empty(maps_shape, dtype=torch.float32)
+    args = _geometry_args(geom, bits)
+    out = torch.empty([geom.n, geom.c, *geom.spatial], dtype=torch.float32)
     tensors = [t.contiguous() for t in (lo, step, codes)]
     lfc = None if lfc is None else lfc.contiguous()
     status = lib.freqact_division_decode(
-        maps_shape[0] * maps_shape[1], *_dhw(tuple(maps_shape[2:])),
-        0 if lfc is None else block, bits, None if lfc is None else lfc.data_ptr(),
-        *(t.data_ptr() for t in tensors), out.data_ptr(), torch.get_num_threads())
+        args, bits, None if lfc is None else lfc.data_ptr(), *(t.data_ptr() for t in tensors),
+        out.data_ptr(), _threads())
     if status != 0:
         raise MemoryError("division_decode: out of memory for the per-thread scratch buffers")
-    return out.reshape(shape).to(dtype)
+    return saturating_cast(out, dtype)
 
 
 def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -192,19 +298,20 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     q = q.contiguous()
     count = q.shape[-1]
     out = torch.empty((*q.shape[:-1], -(-count * bits // 8)), dtype=torch.uint8)
-    lib.freqact_pack_codes(q.numel() // max(count, 1), count, bits, q.data_ptr(), out.data_ptr(),
-                           torch.get_num_threads())
+    rows = q.numel() // max(count, 1)
+    lib.freqact_pack_codes(_c_int64("rows", rows), _c_int64("count", count), bits, q.data_ptr(),
+                           out.data_ptr(), _threads())
     return out
 
 
 def unpack_codes(codes: torch.Tensor, count: int, bits: int) -> torch.Tensor:
-    """As `reference.unpack_codes`: uint8 (..., nbytes) -> uint8 codes (..., count)."""
+    """As `reference.unpack_codes`: uint8 (..., ceil(count * bits / 8)) -> uint8 (..., count)."""
     lib = _lib()
     codes = codes.contiguous()
     out = torch.empty((*codes.shape[:-1], count), dtype=torch.uint8)
     rows = codes.numel() // max(codes.shape[-1], 1)
-    lib.freqact_unpack_codes(rows, count, bits, codes.data_ptr(), out.data_ptr(),
-                             torch.get_num_threads())
+    lib.freqact_unpack_codes(_c_int64("rows", rows), _c_int64("count", count), bits,
+                             codes.data_ptr(), out.data_ptr(), _threads())
     return out
 
 
@@ -213,17 +320,19 @@ def pack_mask(x: torch.Tensor, lower: float, upper: float | None = None) -> torc
     lib = _lib()
     x = x.contiguous()
     out = torch.empty(-(-x.numel() // 8), dtype=torch.uint8)
-    lib.freqact_pack_mask(x.numel(), x.data_ptr(), lower, upper is not None,
-                          0.0 if upper is None else upper, out.data_ptr(), torch.get_num_threads())
+    lib.freqact_pack_mask(_c_int64("x.numel()", x.numel()), x.data_ptr(), lower,
+                          upper is not None, 0.0 if upper is None else upper, out.data_ptr(),
+                          _threads())
     return out
 
 
-def unpack_mask(packed: torch.Tensor, shape: torch.Size, off: float, on: float) -> torch.Tensor:
-    """As `reference.unpack_mask` with dtype float32: a float32 CPU tensor of `shape`."""
+def unpack_mask(packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype, off: float,
+                on: float) -> torch.Tensor:
+    """As `reference.unpack_mask` for dtype float32 (the only one the dispatch sends here): a
+    float32 CPU tensor of `shape`."""
     lib = _lib()
     packed = packed.contiguous()
     out = torch.empty(shape, dtype=torch.float32)
-    lib.freqact_unpack_mask(out.numel(), packed.data_ptr(), off, on, out.data_ptr(),
-                            torch.get_num_threads())
+    lib.freqact_unpack_mask(_c_int64("numel", out.numel()), packed.data_ptr(), off, on,
+                            out.data_ptr(), _threads())
     return out
-

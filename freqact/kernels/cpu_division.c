@@ -7,8 +7,10 @@
  *
  * Layout: `maps` activation maps of D x H x W float32 elements each, contiguous and in logical
  * order (1D maps are 1 x 1 x L, 2D maps 1 x H x W). Blocks are bd x bh x bw with bd = min(B, D)
- * etc.; edge blocks average what they cover. block == 0 means no block means (the `quant`
- * ablation: the codes quantise x itself). One OpenMP thread team of `threads` splits the maps.
+ * etc.; edge blocks average what they cover. All sizes come from Python (format.Geometry, checked
+ * there against the buffers): this file derives none. lfc == NULL means no block means (the
+ * `quant` ablation: the codes quantise x itself). One OpenMP thread team of `threads` splits the
+ * maps. Overflow of finite values follows the edge rule of format.py (saturation).
  *
  * Encode per map, the data staying in cache between its passes:
  *   1. block sums (rows added column-wise, then each block's columns) -> lfc = bf16(sum / count),
@@ -26,6 +28,7 @@
  * reference's torch operations do. Loops are written so that the compiler vectorises them
  * (flat loops over a map, lane arrays for the min/max) rather than with intrinsics.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -47,18 +50,22 @@ static void free_geometry(geometry *g) {
     free(g->counts);
 }
 
-/* Fills g and its tables for maps of d x h x w coded with `bits`; returns 0, or -1 (tables
- * freed) if they could not be allocated. */
-static int make_geometry(geometry *g, int64_t d, int64_t h, int64_t w, int64_t block, int bits) {
-    const int64_t size[3] = {d, h, w};
+/* The geometry that Python computed once (freqact/kernels/format.py, `cpu._geometry_args`):
+ * maps, D, H, W, block extents bd, bh, bw, block counts nbd, nbh, nbw, bytes of one map's codes. */
+enum { G_MAPS, G_D, G_H, G_W, G_BD, G_BH, G_BW, G_NBD, G_NBH, G_NBW, G_CODE_BYTES, G_LEN };
+
+/* Fills g and its tables from the geometry array; returns 0, or -1 (tables freed) if they could
+ * not be allocated. */
+static int make_geometry(geometry *g, const int64_t *geom) {
     for (int k = 0; k < 3; k++) {
-        g->size[k] = size[k];
-        g->blk[k] = (block == 0 || block > size[k]) ? size[k] : block;
-        g->nb[k] = (size[k] + g->blk[k] - 1) / g->blk[k];
+        g->size[k] = geom[G_D + k];
+        g->blk[k] = geom[G_BD + k];
+        g->nb[k] = geom[G_NBD + k];
     }
-    g->numel = d * h * w;
+    const int64_t d = g->size[0], h = g->size[1];
+    g->numel = d * h * g->size[2];
     g->nblocks = g->nb[0] * g->nb[1] * g->nb[2];
-    g->code_bytes = (g->numel * bits + 7) / 8;
+    g->code_bytes = geom[G_CODE_BYTES];
     g->row_blocks = malloc((size_t)(d * h) * sizeof(int64_t));
     g->counts = malloc((size_t)g->nblocks * sizeof(float));
     if (!g->row_blocks || !g->counts) {
@@ -90,29 +97,35 @@ static inline float bf16_to_float(uint16_t b) {
     return f;
 }
 
+#define BF16_MAX_BITS 0x7F7Fu
+
+/* Nearest even; a finite f that would round to infinity saturates at the largest finite bf16
+ * (format.bf16_nearest). */
 static inline uint16_t bf16_nearest(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     if (f != f) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    uint16_t r = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    if ((r & 0x7FFF) == 0x7F80 && isfinite(f)) r = (uint16_t)((r & 0x8000) | BF16_MAX_BITS);
+    return r;
 }
 
-/* The next bf16 towards -inf (down) or +inf (up), as torch.nextafter does for finite values. */
-static inline uint16_t bf16_next(uint16_t b, int up) {
-    if ((b & 0x7FFF) == 0) return up ? 0x0001 : 0x8001;
-    int negative = (b & 0x8000) != 0;
-    return (uint16_t)(negative == up ? b - 1 : b + 1);
+/* Rounded toward +inf (up) or -inf on the bit patterns, the algorithm of format.bf16_directed:
+ * truncation rounds toward zero; one unit more in the magnitude when bits were dropped and f is
+ * on the far side of zero. A finite f saturates at the largest finite bf16; NaN gives 0x7FC0. */
+static inline uint16_t bf16_directed(float f, int up) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) return 0x7FC0;
+    uint16_t kept = (uint16_t)(u >> 16);
+    if ((u & 0xFFFFu) && (up ? f > 0.0f : f < 0.0f)) kept++;
+    if ((kept & 0x7FFF) == 0x7F80 && isfinite(f)) kept--;
+    return kept;
 }
 
-static inline uint16_t bf16_down(float v) {
-    uint16_t r = bf16_nearest(v);
-    return bf16_to_float(r) > v ? bf16_next(r, 0) : r;
-}
+static inline uint16_t bf16_down(float v) { return bf16_directed(v, 0); }
 
-static inline uint16_t bf16_up(float v) {
-    uint16_t r = bf16_nearest(v);
-    return bf16_to_float(r) < v ? bf16_next(r, 1) : r;
-}
+static inline uint16_t bf16_up(float v) { return bf16_directed(v, 1); }
 
 /* --- noise ---------------------------------------------------------------------------------- */
 
@@ -163,6 +176,22 @@ static inline f32x8 select(i32x8 mask, f32x8 a, f32x8 b) {
 
 /* --- encode: block means and residual ----------------------------------------------------- */
 
+/* The edge rule of format.block_means: a block sum that overflowed is redone on the values scaled
+ * by 2^-64 (exact) when every value of the block is finite. */
+static float scaled_block_mean(const geometry *g, const float *x, const int64_t lo[3],
+                               const int64_t hi[3], float sum, float count) {
+    const int64_t H = g->size[1], W = g->size[2];
+    float s = 0.0f;
+    for (int64_t d = lo[0]; d < hi[0]; d++)
+        for (int64_t h = lo[1]; h < hi[1]; h++)
+            for (int64_t w = lo[2]; w < hi[2]; w++) {
+                const float v = x[(d * H + h) * W + w];
+                if (!isfinite(v)) return sum / count;
+                s += v * 0x1p-64f;
+            }
+    return s / count / 0x1p-64f;
+}
+
 /* Block means of map x into lfc (bf16) and means (their float values); colsum: scratch of W
  * floats. Per block row, the column sums of its rows are kept in registers 8 columns at a time,
  * then each block adds its columns. */
@@ -197,7 +226,12 @@ static void block_means(const geometry *g, const float *x, float *colsum, uint16
                 float sum = 0.0f;
                 for (int64_t c = w0; c < w1; c++) sum += colsum[c];
                 const int64_t b = (db * g->nb[1] + hb) * g->nb[2] + j;
-                lfc[b] = bf16_nearest(sum / g->counts[b]);
+                float mean = sum / g->counts[b];
+                if (!isfinite(sum)) {
+                    const int64_t lo[3] = {d0, h0, w0}, hi[3] = {d1, h1, w1};
+                    mean = scaled_block_mean(g, x, lo, hi, sum, g->counts[b]);
+                }
+                lfc[b] = bf16_nearest(mean);
                 means[b] = bf16_to_float(lfc[b]);
             }
         }
@@ -225,6 +259,12 @@ static void add_block_values(const geometry *g, const float *x, const float *val
         float *o = out + r * W;
         for (int64_t w = 0; w < W; w++) o[w] = xr[w] + row[w];
     }
+}
+
+/* The edge rule: a residual that overflowed for a finite x saturates at +-FLT_MAX. */
+static void saturate_residual(const float *x, int64_t n, float *residual) {
+    for (int64_t i = 0; i < n; i++)
+        if (isinf(residual[i]) && isfinite(x[i])) residual[i] = residual[i] > 0 ? FLT_MAX : -FLT_MAX;
 }
 
 /* --- packing: code i of a row at bit (i % (8 / bits)) * bits of byte i / (8 / bits) ----------- */
@@ -321,7 +361,10 @@ static void quantize_map(const geometry *g, int bits, const float *h, const floa
     const float qmax = (float)((1 << bits) - 1);
     const uint16_t lo = bf16_down(mn);
     const float lo_f = bf16_to_float(lo);
-    const uint16_t step = bf16_up((mx - lo_f) / qmax);
+    /* A span that overflows float32 in a finite map: max / qmax - lo / qmax (the edge rule). */
+    const float span = mx - lo_f;
+    const int over = isinf(span) && isfinite(mx) && isfinite(lo_f);
+    const uint16_t step = bf16_up(over ? mx / qmax - lo_f / qmax : span / qmax);
     const float step_f = bf16_to_float(step);
     const float divisor = step_f == 0.0f ? 1.0f : step_f;
     *lo_out = lo;
@@ -330,14 +373,17 @@ static void quantize_map(const geometry *g, int bits, const float *h, const floa
     pack_row(q, n, codes, bits);
 }
 
-/* Encode `maps` maps of x (float32, contiguous). lfc: bf16 (maps, nblocks) or NULL when
- * block == 0; lo, step: bf16 (maps,); codes: uint8 (maps, ceil(numel * bits / 8)); noise:
- * float32 like x, or NULL to draw from the seed. Returns 0, or -1 if scratch memory ran out. */
-int freqact_division_encode(int64_t maps, int64_t d, int64_t h, int64_t w, int64_t block, int bits,
-                            const float *x, const float *noise, uint64_t seed, uint16_t *lfc,
-                            uint16_t *lo, uint16_t *step, uint8_t *codes, int threads) {
+/* Encode the maps of x (float32, contiguous) described by geom (G_LEN values). lfc: bf16
+ * (maps, nblocks), or NULL for the quant form (codes of x itself); lo, step: bf16 (maps,);
+ * codes: uint8 (maps, code bytes); noise: float32 like x, or NULL to draw from the seed.
+ * Returns 0, or -1 if scratch memory ran out. */
+int freqact_division_encode(const int64_t *geom, int bits, const float *x, const float *noise,
+                            uint64_t seed, uint16_t *lfc, uint16_t *lo, uint16_t *step,
+                            uint8_t *codes, int threads) {
     geometry g;
-    if (make_geometry(&g, d, h, w, block, bits) != 0) return -1;
+    if (make_geometry(&g, geom) != 0) return -1;
+    const int64_t maps = geom[G_MAPS];
+    const int block = lfc != NULL;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
@@ -356,6 +402,7 @@ int freqact_division_encode(int64_t maps, int64_t d, int64_t h, int64_t w, int64
                 if (block) {
                     block_means(&g, xm, colsum, lfc + m * g.nblocks, means);
                     add_block_values(&g, xm, means, -1.0f, row, residual);
+                    saturate_residual(xm, g.numel, residual);
                 }
                 if (!noise) splitmix_uniforms(seed, (uint64_t)(m * g.numel), g.numel, uniforms);
                 quantize_map(&g, bits, block ? residual : xm,
@@ -376,13 +423,33 @@ int freqact_division_encode(int64_t maps, int64_t d, int64_t h, int64_t w, int64
 
 /* --- decode --------------------------------------------------------------------------------- */
 
-/* out = q * step + (float(lfc) + lo) per element, float32 (maps, numel). lfc NULL: block == 0.
- * Returns 0, or -1 if scratch memory ran out. */
-int freqact_division_decode(int64_t maps, int64_t d, int64_t h, int64_t w, int64_t block,
-                            int bits, const uint16_t *lfc, const uint16_t *lo,
-                            const uint16_t *step, const uint8_t *codes, float *out, int threads) {
+/* The decode's edge rule for one map whose sums did not all stay finite: where the sum is not
+ * finite but q * (step / 4) + (lfc / 4 + lo / 4) is, out = that times 4, saturated at +-FLT_MAX.
+ * base, scaled, row: the decode's scratch (overwritten). */
+static void redo_at_quarter_scale(const geometry *g, const uint16_t *lfc, float lo_f, float step_f,
+                               const uint8_t *q, float *base, float *scaled, float *row,
+                               float *out) {
+    for (int64_t b = 0; b < g->nblocks; b++)
+        base[b] = lfc ? bf16_to_float(lfc[b]) * 0.25f + lo_f * 0.25f : lo_f * 0.25f;
+    for (int64_t i = 0; i < g->numel; i++) scaled[i] = (float)q[i] * (step_f * 0.25f);
+    add_block_values(g, scaled, base, 1.0f, row, scaled);
+    for (int64_t i = 0; i < g->numel; i++) {
+        if (isfinite(out[i]) || !isfinite(scaled[i])) continue;
+        const float v = scaled[i] * 4.0f;
+        out[i] = isfinite(v) ? v : (v > 0 ? FLT_MAX : -FLT_MAX);
+    }
+}
+
+/* out = q * step + (float(lfc) + lo) per element, float32 (maps, numel), for the maps that geom
+ * describes; lfc NULL: the quant form. A sum that overflows float32 while its quarter-scale sum
+ * q * (step / 4) + base / 4 is finite becomes that sum times 4, saturated at +-FLT_MAX (the edge
+ * rule of the reference). Returns 0, or -1 if scratch memory ran out. */
+int freqact_division_decode(const int64_t *geom, int bits, const uint16_t *lfc,
+                            const uint16_t *lo, const uint16_t *step, const uint8_t *codes,
+                            float *out, int threads) {
     geometry g;
-    if (make_geometry(&g, d, h, w, block, bits) != 0) return -1;
+    if (make_geometry(&g, geom) != 0) return -1;
+    const int64_t maps = geom[G_MAPS];
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
@@ -400,7 +467,12 @@ int freqact_division_decode(int64_t maps, int64_t d, int64_t h, int64_t w, int64
                     base[b] = lfc ? bf16_to_float(lfc[m * g.nblocks + b]) + lo_f : lo_f;
                 unpack_row(codes + m * g.code_bytes, g.numel, q, bits);
                 for (int64_t i = 0; i < g.numel; i++) scaled[i] = (float)q[i] * step_f;
-                add_block_values(&g, scaled, base, 1.0f, row, out + m * g.numel);
+                float *o = out + m * g.numel;
+                add_block_values(&g, scaled, base, 1.0f, row, o);
+                int overflow = 0;
+                for (int64_t i = 0; i < g.numel; i++) overflow |= !isfinite(o[i]);
+                if (overflow) redo_at_quarter_scale(&g, lfc ? lfc + m * g.nblocks : NULL, lo_f,
+                                                 step_f, q, base, scaled, row, o);
             }
         }
         free(base);

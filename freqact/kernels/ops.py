@@ -1,24 +1,24 @@
-"""The Triton DIVISION kernels registered as torch.library custom ops.
+"""The Triton DIVISION kernels registered as torch.library custom ops, and the Triton backend.
 
 `torch.ops.freqact.division_encode` and `torch.ops.freqact.division_decode` take and return plain
-tensors (the `DivisionPacked` dataclass is built around them in `freqact.kernels`), and have fake
-(shape-only) implementations, so they trace under torch.compile / make_fx and pass through
-autocast untouched. The random seed is an argument: the op itself is a pure function.
+tensors (the packed types are built around them in `freqact.kernels`), and have fake
+(shape-only) implementations from `format.geometry`, so they trace under torch.compile / make_fx
+and pass through autocast untouched. The random seed is an argument: the op itself is a pure
+function. `encode` and `decode` call them with the backend signature of `reference`.
 
 Importing this module does not import triton; the kernels are imported when an op first runs.
 """
-from typing import Optional
 
 import torch
 
-from freqact.kernels import reference
+from freqact.kernels.format import Geometry, geometry
 
-__all__ = ["division_encode", "division_decode"]
+__all__ = ["decode", "division_decode", "division_encode", "encode"]
 
 
 @torch.library.custom_op("freqact::division_encode", mutates_args=())
 def division_encode(
-    x: torch.Tensor, block: int, bits: int, noise: Optional[torch.Tensor], seed: int
+    x: torch.Tensor, block: int, bits: int, noise: torch.Tensor | None, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Encode x with the fused kernel; see `triton_division.encode` for shapes.
 
@@ -27,17 +27,17 @@ def division_encode(
     """
     from freqact.kernels import triton_division
 
-    return triton_division.encode(x, block, bits, noise, seed)
+    return triton_division.encode(x, geometry(x.shape, block), bits, noise, seed)
 
 
 @division_encode.register_fake
 def _division_encode_fake(x, block, bits, noise, seed):
-    lfc, stat, codes = reference.packed_shapes(x.shape, block, bits)
+    geom = geometry(x.shape, block)
     return (
-        x.new_empty(lfc, dtype=torch.bfloat16),
-        x.new_empty(stat, dtype=torch.bfloat16),
-        x.new_empty(stat, dtype=torch.bfloat16),
-        x.new_empty(codes, dtype=torch.uint8),
+        x.new_empty(geom.lfc_shape, dtype=torch.bfloat16),
+        x.new_empty(geom.stat_shape, dtype=torch.bfloat16),
+        x.new_empty(geom.stat_shape, dtype=torch.bfloat16),
+        x.new_empty(geom.codes_shape(bits), dtype=torch.uint8),
     )
 
 
@@ -55,9 +55,28 @@ def division_decode(
     """Decode a packed form with the fused kernel; returns a contiguous (shape) tensor of dtype."""
     from freqact.kernels import triton_division
 
-    return triton_division.decode(lfc, lo, step, codes, torch.Size(shape), dtype, block, bits)
+    geom = geometry(shape, block)
+    return triton_division.decode(lfc, lo, step, codes, geom, bits, dtype).reshape(shape)
 
 
 @division_decode.register_fake
 def _division_decode_fake(lfc, lo, step, codes, shape, dtype, block, bits):
     return lfc.new_empty(shape, dtype=dtype)
+
+
+def _op_block(geom: Geometry) -> int:
+    """A block giving the same geometry that fits the ops' int64 argument (B above every dim
+    covers the whole map)."""
+    return min(geom.block, max(geom.spatial))
+
+
+def encode(x: torch.Tensor, geom: Geometry, bits: int, noise: torch.Tensor | None, seed: int):
+    """The Triton backend's encode (`reference.encode`'s signature; the full form only)."""
+    return division_encode(x, _op_block(geom), bits, noise, seed)
+
+
+def decode(lfc: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes: torch.Tensor,
+           geom: Geometry, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """The Triton backend's decode (`reference.decode`'s signature; the full form only)."""
+    maps = [geom.n, geom.c, *geom.spatial]
+    return division_decode(lfc, lo, step, codes, maps, dtype, _op_block(geom), bits)

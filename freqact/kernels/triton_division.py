@@ -57,14 +57,17 @@ import torch
 import triton
 import triton.language as tl
 
-from freqact.kernels import reference
+from freqact.kernels.format import FLT_MAX, SUM_SCALE, Geometry, as_maps
 
-__all__ = ["encode", "decode"]
+__all__ = ["decode", "encode"]
 
 # Tile sizes: a program handles about _TILE elements at a time (encode loops over its maps in such
 # tiles, decode gives each program one). Powers of two, as Triton's block shapes must be.
 _TILE = 1024
 _ROWS = _TILE // 8
+_FLT_MAX: tl.constexpr = tl.constexpr(FLT_MAX)
+_SUM_SCALE: tl.constexpr = tl.constexpr(SUM_SCALE)
+_SUM_UNSCALE: tl.constexpr = tl.constexpr(1.0 / SUM_SCALE)
 
 
 @triton.jit
@@ -74,13 +77,17 @@ def _bf16_bits_nearest(v):
     NaN gives the canonical quiet NaN 0x7FC0 like torch's conversion.
     """
     b = v.to(tl.uint32, bitcast=True)
-    rounded = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-    return tl.where(v != v, 0x7FC0, rounded.to(tl.int32))
+    rounded = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.int32)
+    # A finite v that reached the infinity pattern saturates (format.bf16_nearest).
+    rounded = tl.where(((rounded & 0x7FFF) == 0x7F80) & (tl.abs(v) <= _FLT_MAX), rounded - 1,
+                       rounded)
+    return tl.where(v != v, 0x7FC0, rounded)
 
 
 @triton.jit
 def _bf16_bits_directed(v, UP: tl.constexpr):
-    """fp32 -> bf16 bit pattern rounded toward +inf (UP) or -inf; NaN gives 0x7FC0.
+    """fp32 -> bf16 bit pattern rounded toward +inf (UP) or -inf; NaN gives 0x7FC0; the
+    algorithm of `format.bf16_directed` (a finite v saturates at the largest finite bf16).
 
     Dropping the low 16 bits rounds toward zero; one more unit in the last place of the magnitude
     is needed when bits were dropped and the value lies on the far side of zero.
@@ -92,14 +99,33 @@ def _bf16_bits_directed(v, UP: tl.constexpr):
         away = lost & (v > 0)
     else:
         away = lost & (v < 0)
-    kept = tl.where(away, kept + 1, kept)
-    return tl.where(v != v, 0x7FC0, kept.to(tl.int32))
+    kept = tl.where(away, kept + 1, kept).to(tl.int32)
+    kept = tl.where(((kept & 0x7FFF) == 0x7F80) & (tl.abs(v) <= _FLT_MAX), kept - 1, kept)
+    return tl.where(v != v, 0x7FC0, kept)
 
 
 @triton.jit
 def _bf16_value(bits):
     """bf16 bit pattern (any integer type, low 16 bits) -> its exact fp32 value."""
     return ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _saturated_residual(xv, mean):
+    """xv - mean; a residual that overflowed for a finite xv saturates (the edge rule)."""
+    r = xv - mean
+    over = (tl.abs(r) > _FLT_MAX) & (tl.abs(xv) <= _FLT_MAX) & (r == r)
+    return tl.where(over, tl.where(r > 0, _FLT_MAX, -_FLT_MAX), r)
+
+
+@triton.jit
+def _block_mean(xv, count):
+    """Means (MPP, NBT) of the blocks of xv (MPP, NBT, BE; zeros past the data): a sum that
+    overflowed in a finite block is redone on values scaled by 2**-64 (format.block_means)."""
+    sums = tl.sum(xv, axis=2)
+    finite = tl.sum((tl.abs(xv) > _FLT_MAX) | (xv != xv), axis=2) == 0
+    scaled = tl.div_rn(tl.sum(xv * _SUM_SCALE, axis=2), count) * _SUM_UNSCALE
+    return tl.where((tl.abs(sums) <= _FLT_MAX) | ~finite, tl.div_rn(sums, count), scaled)
 
 
 @triton.jit
@@ -162,17 +188,23 @@ def _encode_kernel(
         count = (tl.minimum(D - bd * BD, BD) * tl.minimum(H - bh * BH, BH)
                  * tl.minimum(W - bw * BW, BW))
         count = tl.maximum(count, 1)
-        mean_bits = _bf16_bits_nearest(tl.div_rn(tl.sum(xv, axis=2), count.to(tl.float32)))
+        mean_bits = _bf16_bits_nearest(_block_mean(xv, count.to(tl.float32)))
         tl.store(lfc_ptr + lfc_map + blk, mean_bits.to(tl.int16), mask=blk_live)
-        r = xv - _bf16_value(mean_bits)[:, :, None]
+        r = _saturated_residual(xv, _bf16_value(mean_bits)[:, :, None])
         r_min = tl.where(live, tl.minimum(r_min, r), r_min)
         r_max = tl.where(live, tl.maximum(r_max, r), r_max)
         # NaN in x, or Inf (whose block mean makes its residual NaN), poisons the whole map.
         bad = tl.where(live & (r != r), 1, bad)
 
     lo_bits = _bf16_bits_directed(tl.min(tl.min(r_min, axis=2), axis=1), UP=False)  # (MPP,)
+    hi = tl.max(tl.max(r_max, axis=2), axis=1)
+    lo_f = _bf16_value(lo_bits)
+    qmax = (2**Q - 1) * 1.0
+    span = hi - lo_f
+    # A span that overflows float32 in a finite map: max / qmax - lo / qmax (the edge rule).
+    over = (tl.abs(span) > _FLT_MAX) & (tl.abs(hi) <= _FLT_MAX) & (tl.abs(lo_f) <= _FLT_MAX)
     step_bits = _bf16_bits_directed(
-        tl.div_rn(tl.max(tl.max(r_max, axis=2), axis=1) - _bf16_value(lo_bits), (2**Q - 1) * 1.0),
+        tl.where(over, tl.div_rn(hi, qmax) - tl.div_rn(lo_f, qmax), tl.div_rn(span, qmax)),
         UP=True)
     is_bad = tl.max(tl.max(bad, axis=2), axis=1) > 0
     lo_bits = tl.where(is_bad, 0x7FC0, lo_bits)
@@ -203,7 +235,7 @@ def _encode_kernel(
                      other=0.0).to(tl.float32)
         mean_bits = tl.load(lfc_ptr + lfc_map[:, :, None]
                             + _block_index(d, h, w, nbh, nbw, BD, BH, BW), mask=live, other=0)
-        r = xv - _bf16_value(mean_bits)
+        r = _saturated_residual(xv, _bf16_value(mean_bits))
         if HAS_NOISE:
             u = tl.load(noise_ptr + u_map + d * sud + h * suh + w * suw, mask=live, other=0.0)
         else:
@@ -232,6 +264,7 @@ def _decode_kernel(
     nbd: tl.constexpr, nbh: tl.constexpr, nbw: tl.constexpr, nbytes: tl.constexpr,
     BD: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
     MPP: tl.constexpr, Q: tl.constexpr, ROWS: tl.constexpr, OUT_BF16: tl.constexpr,
+    OUT_MAX: tl.constexpr,
 ):
     mm = tl.program_id(0) * MPP + tl.arange(0, MPP)
     has_map = (mm < M)[:, None, None]
@@ -252,8 +285,15 @@ def _decode_kernel(
                         + _block_index(d, h, w, nbh, nbw, BD, BH, BW), mask=live, other=0)
     lo = _bf16_value(tl.load(lo_ptr + mm, mask=has_map, other=0))
     step = _bf16_value(tl.load(step_ptr + mm, mask=has_map, other=0))
-    # Same order as the reference: (mean + lo) + step * q.
-    v = (_bf16_value(mean_bits) + lo) + step * q
+    # Same order as the reference: (mean + lo) + step * q. Edge rule: an overflowed sum is
+    # redone at quarter scale, times 4 and saturated; then finite values saturate at OUT_MAX.
+    mean = _bf16_value(mean_bits)
+    v = (mean + lo) + step * q
+    quarter = (mean * 0.25 + lo * 0.25) + (step * 0.25) * q
+    redo = ~(tl.abs(v) <= _FLT_MAX) & (tl.abs(quarter) <= _FLT_MAX)  # NaN: inf - inf
+    v = tl.where(redo, tl.minimum(tl.maximum(quarter * 4.0, -_FLT_MAX), _FLT_MAX), v)
+    v = tl.where((tl.abs(v) > OUT_MAX) & (tl.abs(v) <= _FLT_MAX),
+                 tl.where(v > 0, OUT_MAX, -OUT_MAX), v)
     out = out_ptr + mm * P + f
     if OUT_BF16:
         tl.store(out, _bf16_bits_nearest(v).to(tl.int16), mask=live)
@@ -262,20 +302,12 @@ def _decode_kernel(
 
 
 def _as_maps5(t: torch.Tensor) -> torch.Tensor:
-    """View t as (N, C, D, H, W) without copying: the reference's map layout (`as_maps`), then
+    """View t as (N, C, D, H, W) without copying: the map layout (`format.as_maps`), then
     size-1 leading spatial dims for 1D and 2D maps."""
-    t = reference.as_maps(t)
+    t = as_maps(t)
     while t.dim() < 5:
         t = t.unsqueeze(2)
     return t
-
-
-def _geometry(shape: torch.Size, block: int) -> tuple[list[int], list[int], list[int]]:
-    """Spatial sizes (D, H, W), block size and block count per dim for a tensor shape."""
-    spatial = list(_as_maps5(torch.empty(shape, device="meta")).shape[2:])
-    blocks = [min(block, s) for s in spatial]
-    counts = [-(-s // b) for s, b in zip(spatial, blocks)]
-    return spatial, blocks, counts
 
 
 def _rows(per_map: int) -> int:
@@ -298,14 +330,15 @@ def _on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def encode(x: torch.Tensor, block: int, bits: int, noise: torch.Tensor | None,
+def encode(x: torch.Tensor, geom: Geometry, bits: int, noise: torch.Tensor | None,
            seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Encode x (rank 2-5, already validated) with the fused kernel.
+    """Encode x with the fused kernel (the full form: geom.block is set); `reference.encode`'s
+    signature.
 
     Args:
         x: activations, shape (N, F), (N, C, L), (N, C, H, W) or (N, C, D, H, W), floating point,
-            any strides, on CUDA (or CPU under TRITON_INTERPRET=1), at least one element.
-        block: block size B per spatial dim.
+            any strides, on CUDA (or CPU under TRITON_INTERPRET=1), at least one map.
+        geom: `format.geometry(x.shape, block)`.
         bits: Q in {1, 2, 4, 8}.
         noise: None, or float32 uniforms shaped like x, used instead of the Philox stream.
         seed: Philox key (ignored when `noise` is given).
@@ -314,23 +347,22 @@ def encode(x: torch.Tensor, block: int, bits: int, noise: torch.Tensor | None,
         (lfc, lo, step, codes): lfc bf16 (N, C, *nb); lo, step bf16 (N, C); codes uint8
         (N, C, ceil(P * Q / 8)), shapes of the map layout (C = 1 for rank 2).
     """
-    lfc_shape, stat_shape, codes_shape = reference.packed_shapes(x.shape, block, bits)
-    lfc = torch.empty(lfc_shape, dtype=torch.bfloat16, device=x.device)
-    lo = torch.empty(stat_shape, dtype=torch.bfloat16, device=x.device)
-    step = torch.empty(stat_shape, dtype=torch.bfloat16, device=x.device)
-    codes = torch.empty(codes_shape, dtype=torch.uint8, device=x.device)
+    lfc = torch.empty(geom.lfc_shape, dtype=torch.bfloat16, device=x.device)
+    lo = torch.empty(geom.stat_shape, dtype=torch.bfloat16, device=x.device)
+    step = torch.empty(geom.stat_shape, dtype=torch.bfloat16, device=x.device)
+    codes = torch.empty(geom.codes_shape(bits), dtype=torch.uint8, device=x.device)
     x5 = _as_maps5(x)
     u5 = _as_maps5(noise) if noise is not None else x5
-    (D, H, W), (BD, BH, BW), (nbd, nbh, nbw) = _geometry(x.shape, block)
-    maps = x5.shape[0] * x5.shape[1]
+    (D, H, W), (BD, BH, BW), (nbd, nbh, nbw) = geom.dhw, geom.block_dhw, geom.counts_dhw
+    maps = geom.maps
     be = triton.next_power_of_2(BD * BH * BW)
-    nbt = min(max(1, _TILE // be), triton.next_power_of_2(nbd * nbh * nbw))
-    rows = _rows(D * H * W)
+    nbt = min(max(1, _TILE // be), triton.next_power_of_2(geom.nblocks))
+    rows = _rows(geom.numel)
     mpp = _maps_per_program(max(nbt * be, rows * 8), maps)
     with _on_device(x):
         _encode_kernel[(triton.cdiv(maps, mpp),)](
             x5, u5, lfc.view(torch.int16), lo.view(torch.int16), step.view(torch.int16), codes,
-            maps, x5.shape[1], seed, *x5.stride(), *u5.stride(),
+            maps, geom.c, seed, *x5.stride(), *u5.stride(),
             D=D, H=H, W=W, nbd=nbd, nbh=nbh, nbw=nbw, nbytes=codes.shape[-1],
             BD=BD, BH=BH, BW=BW, BE=be, NBT=nbt, MPP=mpp, Q=bits, ROWS=rows,
             HAS_NOISE=noise is not None, num_warps=_warps(mpp * max(nbt * be, rows * 8)),
@@ -340,32 +372,27 @@ def encode(x: torch.Tensor, block: int, bits: int, noise: torch.Tensor | None,
 
 
 def decode(lfc: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes: torch.Tensor,
-           shape: torch.Size, dtype: torch.dtype, block: int, bits: int) -> torch.Tensor:
-    """Decode a packed form made by `encode` (or by the reference) with the fused kernel.
-
-    Args:
-        lfc, lo, step, codes: the packed tensors (see `encode`), contiguous, on one device.
-        shape: shape of the encoded tensor x (rank 2-5).
-        dtype: dtype of the output (x's dtype).
-        block, bits: the settings used to encode.
+           geom: Geometry, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """Decode a full packed form (from any backend) with the fused kernel; `reference.decode`'s
+    signature.
 
     Returns:
-        x_hat: contiguous tensor of `shape` and `dtype` on lfc's device.
+        Contiguous maps (N, C, *S) of dtype on lfc's device.
     """
-    out = torch.empty(shape, dtype=dtype, device=lfc.device)
+    out = torch.empty([geom.n, geom.c, *geom.spatial], dtype=dtype, device=lfc.device)
     lfc, lo, step, codes = (t.contiguous() for t in (lfc, lo, step, codes))
-    (D, H, W), (BD, BH, BW), (nbd, nbh, nbw) = _geometry(shape, block)
-    per_map = D * H * W
-    maps = lo.numel()
+    (_, H, W), (BD, BH, BW), (nbd, nbh, nbw) = geom.dhw, geom.block_dhw, geom.counts_dhw
+    per_map = geom.numel
     rows = _rows(per_map)
-    mpp = _maps_per_program(rows * 8, maps)
+    mpp = _maps_per_program(rows * 8, geom.maps)
     out_bf16 = dtype == torch.bfloat16
     with _on_device(out):
-        _decode_kernel[(triton.cdiv(maps, mpp), triton.cdiv(per_map, rows * 8))](
+        _decode_kernel[(triton.cdiv(geom.maps, mpp), triton.cdiv(per_map, rows * 8))](
             lfc.view(torch.int16), lo.view(torch.int16), step.view(torch.int16), codes,
-            out.view(torch.int16) if out_bf16 else out, maps,
+            out.view(torch.int16) if out_bf16 else out, geom.maps,
             H=H, W=W, P=per_map, nbd=nbd, nbh=nbh, nbw=nbw, nbytes=codes.shape[-1],
             BD=BD, BH=BH, BW=BW, MPP=mpp, Q=bits, ROWS=rows, OUT_BF16=out_bf16,
+            OUT_MAX=min(torch.finfo(dtype).max, FLT_MAX),
             num_warps=_warps(mpp * rows * 8), enable_fp_fusion=False,
         )
     return out

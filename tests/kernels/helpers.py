@@ -12,8 +12,7 @@ if not torch.cuda.is_available():
     # kernel is decorated, i.e. when triton_division is first imported (after this module).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import freqact.kernels as K  # noqa: E402
-from freqact.kernels import reference as R  # noqa: E402
+import freqact.kernels as K
 
 CUDA = torch.cuda.is_available()
 TRITON_DEVICE = "cuda" if CUDA else "cpu"
@@ -53,15 +52,16 @@ def dyadic(shape, dtype, gen, device="cpu") -> torch.Tensor:
 
 def _roundings(x: torch.Tensor, packed) -> tuple[torch.Tensor, torch.Tensor]:
     """Per element (N * C, P): the fraction f of a step above the lower level, and whether the
-    element was rounded up (probability f under stochastic rounding), in float64."""
-    means = R.division_decode(R.DivisionPacked(packed.lfc, None, None, None, x.shape, x.dtype,
-                                               packed.block, None)).double()
-    lo = packed.lo.double()[..., None, None]
-    step = packed.step.double()[..., None, None]
-    t = (x.double() - means - lo) / step
+    element was rounded up (probability f under stochastic rounding), in float64 on the CPU."""
+    x = x.cpu().double()
+    means = K.division_decode(K.LfcPacked(packed.lfc.cpu(), x.shape, x.dtype,
+                                          packed.block)).double()
+    lo = packed.lo.cpu().double()[..., None, None]
+    step = packed.step.cpu().double()[..., None, None]
+    t = (x - means - lo) / step
     f = t - t.floor()
-    up = (R.division_decode(packed).double() - x.double()) / step > 0
-    return f.flatten(1).cpu(), up.flatten(1).double().cpu()
+    up = (K.division_decode(packed).cpu().double() - x) / step > 0
+    return f.flatten(1), up.flatten(1).double()
 
 
 def assert_stochastic_rounding(x: torch.Tensor, packed) -> None:

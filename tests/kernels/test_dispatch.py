@@ -9,7 +9,6 @@ import torch
 
 import freqact.kernels as K
 from freqact.kernels import cpu
-from freqact.kernels import reference as R
 from tests.kernels.helpers import assert_same_bytes
 
 
@@ -21,7 +20,7 @@ def test_auto_picks_the_c_kernels_on_the_cpu_and_torch_can_be_forced(monkeypatch
     assert K.backend_for(x) == "torch"
     noise = torch.rand(x.shape)
     got = K.division_encode(x, 4, 2, noise)
-    assert_same_bytes(got, R.division_encode(x, 4, 2, noise))
+    assert_same_bytes(got, K.division_encode(x, 4, 2, noise, backend="torch"))
 
 
 def test_keyword_overrides_environment(monkeypatch):
@@ -36,8 +35,7 @@ def test_every_entry_point_follows_the_choice(monkeypatch):
     if not cpu.available():
         pytest.skip(f"C kernels unavailable: {cpu.unavailable_reason()}")
     calls = []
-    for name in ("division_encode", "division_decode", "pack_codes", "unpack_codes", "pack_mask",
-                 "unpack_mask"):
+    for name in ("encode", "decode", "pack_codes", "unpack_codes", "pack_mask", "unpack_mask"):
         real = getattr(cpu, name)
         monkeypatch.setattr(cpu, name, lambda *a, _f=real, _n=name, **k: calls.append(_n) or _f(*a, **k))
     x = torch.randn(2, 3, 6, 6)
@@ -46,11 +44,11 @@ def test_every_entry_point_follows_the_choice(monkeypatch):
         packed = K.division_encode(x, backend=backend)
         K.division_decode(packed, backend=backend)
         K.quantize_encode(x, 2, backend=backend)
-        K.unpack_codes(K.pack_codes(packed.codes, 2, backend=backend), 4, 2, backend=backend)
+        K.pack_codes(K.unpack_codes(packed.codes, 36, 2, backend=backend), 2, backend=backend)
         K.unpack_mask(K.pack_mask(x, 0.0, backend=backend), x.shape, x.dtype, 0.0, 1.0,
                       backend=backend)
-        expected = ["division_encode", "division_decode", "division_encode", "pack_codes",
-                    "unpack_codes", "pack_mask", "unpack_mask"]
+        expected = ["encode", "decode", "encode", "unpack_codes", "pack_codes", "pack_mask",
+                    "unpack_mask"]
         assert calls == (expected if backend == "cpu" else [])
     # Masks of other dtypes than float32 use the reference.
     calls.clear()
@@ -59,7 +57,7 @@ def test_every_entry_point_follows_the_choice(monkeypatch):
     assert calls == []
     # LFC-only forms have no codes to decode: always the reference.
     calls.clear()
-    K.division_decode(R.lfc_encode(x, 4), backend="cpu")
+    K.division_decode(K.lfc_encode(x, 4), backend="cpu")
     assert calls == []
 
 

@@ -114,10 +114,7 @@ def test_constant_channels(name):
 
 def test_zero_size_batch():
     empty = torch.zeros(0, 3, 8, 8)
-    for name in ("division", "quant"):
-        with pytest.raises(ValueError, match=r"x: expected a non-empty tensor"):
-            codecs.get(name).encode(empty)
-    for name in ("lfc", "hfc"):
+    for name in ("division", "quant", "lfc", "hfc"):  # empty in, empty out (issue 15.6)
         assert _round_trip(name, empty).shape == empty.shape
     # Inside a training step a zero-size batch is plain PyTorch's business, not the codec's.
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 2))
