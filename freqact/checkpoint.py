@@ -27,7 +27,7 @@ FORMAT = "freqact-ckpt-1"
 MAX_CLASSES = 100_000
 # Types of the stored config fields the analyses read (None is accepted where a run has none).
 _CONFIG_TYPES = {"dataset": (str,), "mode": (str,), "data_dir": (str,), "subset": (int,),
-                 "seed": (int,), "batch_size": (int,), "epochs": (int,)}
+                 "seed": (int,), "batch_size": (int,), "epochs": (int,), "model_options": (dict,)}
 
 
 def atomic_write(path: str | os.PathLike, data: bytes) -> None:
@@ -172,8 +172,8 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"
         device: where to put the model.
 
     Returns:
-        (model, ckpt): the model from `freqact.models.get(config["model"],
-        num_classes=config["num_classes"])` with the checkpoint's weights, and the checkpoint dict.
+        (model, ckpt): the model `build_model(config["model"], config["num_classes"],
+        config.get("model_options"))` with the checkpoint's weights, and the checkpoint dict.
 
     Raises:
         ValueError: if the file is not a checkpoint, its config is not one `freqact train` writes
@@ -184,12 +184,38 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"
     config = _checked_config(path, ckpt)
     if not isinstance(ckpt.get("model"), dict):
         raise ValueError(f"{path}: expected its 'model' entry to be a state dict")
-    model = models.get(config["model"], num_classes=config["num_classes"])
+    _check_size(path, config, ckpt["model"])
+    model = build_model(config["model"], config["num_classes"], config.get("model_options"))
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as err:
         raise ValueError(f"{path}: weights do not fit model {config['model']!r}: {err}") from None
     return model.to(device).eval(), ckpt
+
+
+def build_model(name: str, num_classes: int, options: dict | None = None) -> torch.nn.Module:
+    """`freqact.models.get(name, num_classes, **options)`, with JSON lists as tuples.
+
+    Args:
+        name: a `freqact.models` name.
+        num_classes: the output size.
+        options: the builder's keyword settings as a run's config stores them (JSON: a tuple
+            setting such as Swin's `depths` is a list there); None or {}: the defaults.
+    """
+    options = {key: tuple(v) if isinstance(v, list) else v for key, v in (options or {}).items()}
+    return models.get(name, num_classes=num_classes, **options)
+
+
+def _check_size(path, config: dict, state: dict) -> None:
+    """Refuse a config whose model would hold more values than the checkpoint's weights (a
+    crafted `model_options` must not make the rebuild allocate): built on the meta device first."""
+    with torch.device("meta"):
+        shell = build_model(config["model"], config["num_classes"], config.get("model_options"))
+    needed = sum(t.numel() for t in shell.state_dict().values())
+    stored = sum(t.numel() for t in state.values() if isinstance(t, torch.Tensor))
+    if needed > stored:
+        raise ValueError(f"{path}: weights do not fit model {config['model']!r}: it has {needed} "
+                         f"values, the checkpoint {stored}")
 
 
 def _checked_config(path, ckpt: dict) -> dict:

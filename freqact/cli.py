@@ -56,10 +56,18 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--batch-size", type=int, default=defaults.batch_size,
         help="global batch over all ranks (default %(default)s)")
     add("--lr", type=float, default=defaults.lr,
-        help="initial SGD learning rate in [0, 10], cosine schedule (default %(default)s)")
-    add("--momentum", type=float, default=defaults.momentum, help="in [0, 1] (default %(default)s)")
+        help="initial learning rate in [0, 10], cosine schedule (default %(default)s)")
+    add("--momentum", type=float, default=defaults.momentum,
+        help="SGD only, in [0, 1] (default %(default)s)")
     add("--weight-decay", type=float, default=defaults.weight_decay,
-        help="in [0, 1] (default %(default)s)")
+        help="in [0, 1]; adamw: decoupled, each step scales weights by 1 - lr * wd "
+        "(default %(default)s; AdamW runs usually take 0.05)")
+    add("--optimizer", default=defaults.optimizer, choices=train.OPTIMIZERS,
+        help="sgd: momentum SGD (the paper's CNN recipe); adamw: AdamW, betas (0.9, 0.999), "
+        "--momentum unused (transformers); both with the cosine schedule (default %(default)s)")
+    add("--model-options", type=_json_object, default={}, metavar="JSON",
+        help='the model\'s own settings as a JSON object, e.g. \'{"dim": 64, "depth": 2}\' '
+        "(default: the family's defaults)")
     add("--subset", type=int, default=None, help="train on the first N training images only")
     add("--seed", type=int, default=defaults.seed, help="in [0, 2**32 - 1] (default %(default)s)")
     add("--amp", action="store_true",
@@ -77,6 +85,19 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--resume", action="store_true", help="continue the run in --out from ckpt/last.pt (or start it)")
     add("--log-every", type=int, default=None, metavar="N",
         help="a progress line every N steps (default: every ~10%% of an epoch when not on a terminal)")
+
+
+def _json_object(value: str) -> dict:
+    """--model-options: a JSON object, else argparse's one-line error."""
+    import json
+
+    try:
+        options = json.loads(value)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"expected a JSON object ({err})") from None
+    if not isinstance(options, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return options
 
 
 def _train(args: argparse.Namespace) -> int:

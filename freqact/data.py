@@ -15,6 +15,11 @@ per-image Python loop.
 - `digits`: scikit-learn's bundled 8x8 handwritten digits (works offline), resized bilinearly to
   the requested (C, H, W) (default 3x32x32) with the gray level replicated over the channels.
 - `synthetic`: a seeded, learnable random dataset (class-dependent smooth patterns plus noise).
+- `stdlib-text`: byte-level text (`freqact.text`, the standard library's own sources) for the
+  language model `gpt`: "images" are uint8 token windows (N, T) and "labels" their next bytes
+  (N, T), T the model's context (`load_text`). Every consumer treats both kinds alike: a batch is
+  gathered by index, `model_inputs` turns it into what the model takes, and a loss over
+  `logits.flatten(0, -2)` against `labels.flatten()` is the classifier's or the next-byte loss.
 """
 from __future__ import annotations
 
@@ -34,10 +39,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from freqact import _validate
+from freqact import _validate, text
 from freqact.safepickle import load_pickle
 
-DATASETS = ("cifar10", "cifar100", "digits", "synthetic")
+DATASETS = ("cifar10", "cifar100", "digits", "synthetic", "stdlib-text")
+TEXT_DATASET = "stdlib-text"
+# Bytes of the standard library read for `stdlib-text` (train + test, ~1/10 test): enough text
+# for CPU-sized runs, and a test split (~100 kB) that evaluates in seconds.
+TEXT_BYTES = 2**20
 
 # Official archives (https://www.cs.toronto.edu/~kriz/cifar.html) and their published md5 sums.
 _CIFAR = {
@@ -73,12 +82,13 @@ class Dataset:
 
     Attributes:
         name: one of `DATASETS`.
-        train_images: uint8, shape (N_train, C, H, W).
-        train_labels: int64, shape (N_train,).
-        test_images: uint8, shape (N_test, C, H, W).
-        test_labels: int64, shape (N_test,).
-        num_classes: number of classes; labels lie in [0, num_classes).
-        mean, std: per-channel normalisation constants for images scaled to [0, 1], length C.
+        train_images: uint8, shape (N_train, C, H, W); text: token windows (N_train, T).
+        train_labels: int64, shape (N_train,); text: the next bytes (N_train, T).
+        test_images: uint8, shape (N_test, C, H, W); text: (N_test, T).
+        test_labels: int64, shape (N_test,); text: (N_test, T).
+        num_classes: number of classes; labels lie in [0, num_classes) (text: 256 byte values).
+        mean, std: per-channel normalisation constants for images scaled to [0, 1], length C
+            (empty for text).
         augment: whether training batches get CIFAR augmentation (crop + flip).
     """
 
@@ -334,6 +344,36 @@ def load_synthetic(
     return Dataset("synthetic", train_x, train_y, test_x, test_y, num_classes, mean, std)
 
 
+def num_classes(name: str) -> int:
+    """The number of classes of dataset `name` (the model's output size): 256 for text."""
+    _validate.choice("dataset", name, DATASETS)
+    if name == TEXT_DATASET:
+        return text.VOCAB_SIZE
+    return _CIFAR["cifar100"]["num_classes"] if name == "cifar100" else 10
+
+
+def load_text(context: int = 64, subset: int | None = None) -> Dataset:
+    """`stdlib-text`: the standard library's sources (`TEXT_BYTES` of them) as next-byte windows.
+
+    Both splits are cut into non-overlapping windows (`text.tiled_windows`), so an epoch reads
+    the training text once, in a shuffled window order.
+
+    Args:
+        context: window length T (the model's context).
+        subset: keep only the first `subset` training windows.
+
+    Returns:
+        The dataset: uint8 windows (M, T) as images, their next bytes, int64 (M, T), as labels.
+    """
+    corpus = text.load_stdlib_corpus(TEXT_BYTES)
+    (train_x, train_y), (test_x, test_y) = (text.tiled_windows(split, context)
+                                            for split in (corpus.train, corpus.test))
+    if subset is not None:
+        train_x, train_y = train_x[:subset], train_y[:subset]
+    return Dataset(TEXT_DATASET, train_x.to(torch.uint8), train_y, test_x.to(torch.uint8), test_y,
+                   corpus.vocab_size, (), ())
+
+
 def load(
     name: str,
     data_dir: str | os.PathLike | None = None,
@@ -349,7 +389,8 @@ def load(
         name: one of `DATASETS`.
         data_dir: CIFAR's data directory (see `resolve_data_dir`); ignored by the others.
         download: CIFAR only: fetch the archive when missing.
-        shape: (C, H, W) for digits and synthetic; CIFAR is always (3, 32, 32).
+        shape: (C, H, W) for digits and synthetic; CIFAR is always (3, 32, 32); (T,) for text,
+            the window length.
         subset: keep only the first `subset` training images (the test set is always whole);
             synthetic draws exactly `subset` training images (default 512).
         seed: synthetic only: its generator seed.
@@ -360,6 +401,8 @@ def load(
     _validate.choice("dataset", name, DATASETS)
     if subset is not None:
         _validate.positive_int("subset", subset)
+    if name == TEXT_DATASET:
+        return load_text(_validate.positive_int("shape", shape[0]), subset)
     if name in _CIFAR:
         ds = load_cifar(name, data_dir, download=download)
     elif name == "digits":
@@ -384,7 +427,8 @@ def load_for_model(
     """`load` shaped for `model`, with the whole dataset moved to `device` once.
 
     digits/synthetic are made at the model's (C, H, W) `input_shape`; a model with a 1D input
-    (F,) gets 3x32x32 images flattened by `model_inputs`, so F must be 3072.
+    (F,) gets 3x32x32 images flattened by `model_inputs`, so F must be 3072; for text, (F,) is
+    the model's context T, the window length.
 
     Args:
         name, data_dir, download, subset, seed: as in `load`.
@@ -398,12 +442,21 @@ def load_for_model(
         ValueError: if the model's 1D input size does not match the images.
     """
     shape = tuple(getattr(model, "input_shape", (3, 32, 32)))
+    if name == TEXT_DATASET and len(shape) != 1:
+        raise ValueError(f"model: {name} needs a language model with input_shape (T,), got "
+                         f"{shape}")
     ds = load(name, data_dir, download=download, subset=subset, seed=seed,
-              shape=shape if len(shape) == 3 else (3, 32, 32))
+              shape=shape if len(shape) == 3 or name == TEXT_DATASET else (3, 32, 32))
+    if name == TEXT_DATASET:
+        return _to_device(ds, device)
     image_numel = ds.train_images[0].numel()
     if len(shape) == 1 and shape[0] != image_numel:
         raise ValueError(f"model: its input has {shape[0]} features but {name} images have "
                          f"{tuple(ds.train_images.shape[1:])} = {image_numel} values")
+    return _to_device(ds, device)
+
+
+def _to_device(ds: Dataset, device: str | torch.device) -> Dataset:
     for field in ("train_images", "train_labels", "test_images", "test_labels"):
         setattr(ds, field, getattr(ds, field).to(device))
     return ds
@@ -415,13 +468,15 @@ def model_inputs(ds: Dataset, images: torch.Tensor, model: torch.nn.Module,
 
     Args:
         ds: the dataset the images come from (its normalisation constants are used).
-        images: uint8, shape (N, C, H, W).
+        images: uint8, shape (N, C, H, W); text: token windows (N, T).
         model: reads its `input_shape`; a 1D input (F,) gets the images flattened to (N, F).
         generator: CPU generator for CIFAR augmentation (`augment_cifar`); None: no augmentation.
 
     Returns:
-        float32, shape (N, C, H, W) or (N, C*H*W).
+        float32, shape (N, C, H, W) or (N, C*H*W); text: int64 token ids (N, T).
     """
+    if ds.name == TEXT_DATASET:
+        return images.long()
     if generator is not None:
         images = augment_cifar(images, generator)
     x = normalize(images, ds.mean, ds.std)

@@ -43,6 +43,8 @@ except ImportError:  # pragma: no cover - Windows: no advisory locks, runs are n
 # backend changes like the device does (same format, another noise stream); `kernels` records it.
 RESUMABLE_CHANGES = ("device", "workers", "out", "resume", "save_epochs", "save_every", "download",
                      "data_dir", "log_every", "backend", "kernels")
+# Settings added after runs were written: what a stored config without them trained with.
+ADDED_SETTINGS = {"optimizer": "sgd", "model_options": {}}
 METRIC_COLUMNS = (
     "epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time_s",
     "images_per_s", "saved_bytes", "exact_bytes", "compression_ratio", "cuda_peak_bytes",
@@ -264,6 +266,7 @@ def check_resumable(saved: dict, current: dict, where: str | os.PathLike) -> Non
     Raises:
         ValueError: naming `where` and every differing field (saved -> current).
     """
+    saved = {**ADDED_SETTINGS, **saved}
     diffs = [f"{key}: {saved.get(key)!r} -> {value!r}" for key, value in current.items()
              if key not in RESUMABLE_CHANGES and saved.get(key) != value]
     if diffs:

@@ -12,7 +12,16 @@ Evaluation is a plain forward under `torch.no_grad()`.
 
 Recipe (defaults, the paper's CIFAR setting): SGD with momentum 0.9, weight decay 5e-4, lr 0.1,
 cosine schedule over the epochs (stepped once per epoch), batch 256, CIFAR augmentation (random
-crop of the 4-pixel padded image + horizontal flip).
+crop of the 4-pixel padded image + horizontal flip). `optimizer="adamw"` (what transformers train
+with) takes `torch.optim.AdamW` instead: the same lr and cosine schedule, betas (0.9, 0.999),
+`weight_decay` decoupled (each step multiplies the weights by 1 - lr * weight_decay; typical 0.05),
+`momentum` unused. `model_options` are the model's own settings (`freqact.models.get` keywords,
+e.g. {"dim": 64, "depth": 2}), so a run can train a smaller member of a family.
+
+Loss: cross-entropy of `logits.flatten(0, -2)` against `labels.flatten()`, the same rule for
+classifiers (logits (N, K), labels (N,)) and the language model on `stdlib-text` (logits (N, T, V),
+labels (N, T): next-byte loss in nats per byte); accuracy and the `images_per_s` column then count
+tokens (next-byte accuracy, tokens per second).
 
 Data: whole datasets are moved to the device once as uint8 tensors; each epoch's order comes
 from a `DistributedSampler` seeded with (seed, epoch) (also with one process; under torchrun it
@@ -73,10 +82,11 @@ RESUMABLE_CHANGES = rundir.RESUMABLE_CHANGES
 METRIC_COLUMNS = rundir.METRIC_COLUMNS
 # The SGD recipe's numbers: finite and in a range that can train (NaN or 1e30 would train to NaN).
 _HYPER = (
-    Setting("lr", float, 0.1, "initial SGD learning rate", low=0.0, high=10.0),
+    Setting("lr", float, 0.1, "initial learning rate", low=0.0, high=10.0),
     Setting("momentum", float, 0.9, "SGD momentum", low=0.0, high=1.0),
     Setting("weight_decay", float, 5e-4, "SGD weight decay", low=0.0, high=1.0),
 )
+OPTIMIZERS = ("sgd", "adamw")
 # Seeds reach torch.manual_seed as seed and seed * 65536 + rank: keep both inside 64 bits.
 SEED = Setting("seed", int, 0, "random seed", low=0, high=2**32 - 1)
 
@@ -122,6 +132,9 @@ class RunConfig(_WithCodecSettings):
         epochs, batch_size, lr, momentum, weight_decay: the SGD + cosine recipe; batch_size is
             global (split over the ranks under torchrun); lr in [0, 10], momentum and
             weight_decay in [0, 1], all finite.
+        optimizer: "sgd" (default) or "adamw" (momentum unused; see the module docstring).
+        model_options: keyword settings of the model's builder (plain JSON: numbers, strings,
+            lists for tuples), e.g. {"dim": 64}; {} for the family's defaults.
         subset: train on the first `subset` training images only (the test set is always whole);
             for synthetic, the number of training images drawn.
         seed: seeds the model initialisation, data order, augmentation and codec noise; an
@@ -146,6 +159,8 @@ class RunConfig(_WithCodecSettings):
     lr: float = 0.1
     momentum: float = 0.9
     weight_decay: float = 5e-4
+    optimizer: str = "sgd"
+    model_options: dict = dataclasses.field(default_factory=dict)
     subset: int | None = None
     seed: int = 0
     amp: bool = False
@@ -162,6 +177,10 @@ class RunConfig(_WithCodecSettings):
     def __post_init__(self) -> None:
         _validate.choice("dataset", self.dataset, data.DATASETS)
         _validate.choice("mode", self.mode, MODES)
+        _validate.choice("optimizer", self.optimizer, OPTIMIZERS)
+        if not isinstance(self.model_options, dict):
+            raise UsageError(f"model_options: expected a dict of model settings, got "
+                             f"{self.model_options!r}")
         for setting in (*codecs.mode_settings(), *_HYPER, SEED):
             setattr(self, setting.name, setting.check(getattr(self, setting.name)))
         for name in ("epochs", "batch_size"):
@@ -216,12 +235,15 @@ def evaluate(model: torch.nn.Module, loader: Iterable, device: str | torch.devic
     """Mean cross-entropy and accuracy of `model` over `loader`, without gradients.
 
     Args:
-        model: a classifier; put in eval mode here.
-        loader: iterable of (inputs, labels) batches, inputs shaped as the model expects.
+        model: a classifier (logits (N, K)) or a language model (logits (N, T, V)); put in
+            eval mode here.
+        loader: iterable of (inputs, labels) batches, inputs shaped as the model expects, labels
+            (N,) or (N, T).
         device: where to run.
 
     Returns:
-        {"loss": float, "accuracy": float in [0, 1], "count": int}.
+        {"loss": float, "accuracy": float in [0, 1], "count": int}, over every target (every
+        token for a language model: loss in nats per token).
     """
     sums = _eval_sums(model, loader, torch.device(device))
     return _summarise(sums)
@@ -327,9 +349,10 @@ def _run(config: RunConfig, ctx: distributed.Context, model: torch.nn.Module | N
 def _setup(config: RunConfig, ctx: distributed.Context, model: torch.nn.Module | None,
            run: rundir.RunDir) -> _Trainer:
     """Model, data, optimizer, schedule, scaler and sampler of a fresh run."""
-    num_classes = 100 if config.dataset == "cifar100" else 10
+    num_classes = data.num_classes(config.dataset)
     torch.manual_seed(config.seed)  # same initial weights on every rank
-    net = model if model is not None else models.get(config.model, num_classes=num_classes)
+    net = model if model is not None else checkpoint.build_model(
+        config.model, num_classes, config.model_options)
     torch.manual_seed(config.seed + ctx.rank)  # then per-rank streams for dropout / codec noise
     net.to(ctx.device)
     if ctx.is_main and config.download:  # one rank downloads, the others wait and then read
@@ -337,8 +360,7 @@ def _setup(config: RunConfig, ctx: distributed.Context, model: torch.nn.Module |
     distributed.barrier(ctx)
     ds = data.load_for_model(config.dataset, net, config.data_dir, subset=config.subset,
                              seed=config.seed, device=ctx.device)
-    optimizer = torch.optim.SGD(net.parameters(), lr=config.lr, momentum=config.momentum,
-                                weight_decay=config.weight_decay)
+    optimizer = _optimizer(net, config)
     ddp = net if ctx.world_size == 1 else torch.nn.parallel.DistributedDataParallel(
         net, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     return _Trainer(
@@ -351,6 +373,15 @@ def _setup(config: RunConfig, ctx: distributed.Context, model: torch.nn.Module |
         {**config.to_dict(), "num_classes": num_classes, "world_size": ctx.world_size,
          "kernels": config.kernels(ctx.device)},
         saved=[str(p) for p in run.epoch_checkpoints()])
+
+
+def _optimizer(net: torch.nn.Module, config: RunConfig) -> torch.optim.Optimizer:
+    """SGD with momentum, or AdamW (decoupled weight decay), as `config.optimizer` says."""
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(net.parameters(), lr=config.lr,
+                                 weight_decay=config.weight_decay)
+    return torch.optim.SGD(net.parameters(), lr=config.lr, momentum=config.momentum,
+                           weight_decay=config.weight_decay)
 
 
 def _resume(state: _Trainer) -> None:
@@ -507,7 +538,7 @@ def _train_epoch(config, ctx, ddp, net, ds, order, optimizer, scaler, aug_gen, e
         autocast = torch.autocast(ctx.device.type, amp_dtype, enabled=config.amp)
         with _compressing(net, config) as step_meter, autocast:
             logits = ddp(x)
-            loss = F.cross_entropy(logits, y)
+            loss = cross_entropy(logits, y)
         if step == 0:  # a full batch (the last one may be short): what one step holds
             meter = step_meter
         optimizer.zero_grad(set_to_none=True)
@@ -515,9 +546,9 @@ def _train_epoch(config, ctx, ddp, net, ds, order, optimizer, scaler, aug_gen, e
         scaler.step(optimizer)
         scaler.update()
         with torch.no_grad():
-            sums[0] += loss.detach().double() * len(y)
-            sums[1] += (logits.argmax(1) == y).sum()
-            sums[2] += len(y)
+            sums[0] += loss.detach().double() * y.numel()
+            sums[1] += (logits.argmax(-1) == y).sum()
+            sums[2] += y.numel()
         progress.step(step + 1, sums, start)
     progress.close()
     elapsed = time.perf_counter() - start
@@ -585,10 +616,16 @@ def _eval_sums(model: torch.nn.Module, loader: Iterable, device: torch.device) -
         for x, y in loader:
             logits = model(x.to(device))
             y = y.to(device)
-            sums[0] += F.cross_entropy(logits.float(), y, reduction="sum").double()
-            sums[1] += (logits.argmax(1) == y).sum()
-            sums[2] += len(y)
+            sums[0] += cross_entropy(logits.float(), y, reduction="sum").double()
+            sums[1] += (logits.argmax(-1) == y).sum()
+            sums[2] += y.numel()
     return sums
+
+
+def cross_entropy(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of logits (..., K) against int64 targets (...): a classifier's (N, K)/(N,)
+    or a language model's next-token loss (N, T, V)/(N, T), averaged (or summed) over targets."""
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction=reduction)
 
 
 def _summarise(sums: torch.Tensor) -> dict:

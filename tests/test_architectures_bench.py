@@ -1,0 +1,43 @@
+"""Smoke test of benchmarks/architectures.py: one family, tiny, every column filled and sane."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from benchmarks import architectures
+from tests.conftest import SHARED_CIFAR10
+
+
+def _data_dir():
+    for folder in (SHARED_CIFAR10.parent, os.environ.get("FREQACT_DATA")):
+        if folder and os.path.isfile(os.path.join(folder, "cifar-10-batches-py", "data_batch_1")):
+            return str(folder)
+    pytest.skip(f"real CIFAR-10 not found at {SHARED_CIFAR10} or $FREQACT_DATA (the benchmark's "
+                "gradient cosine uses a real batch)")
+
+
+def test_quick_benchmark_fills_every_column(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PYTHONPATH", str(architectures.REPO_ROOT))  # the fresh processes' import
+    out = tmp_path / "arch.json"
+    assert architectures.main(["--quick", "--families", "vit", "gpt", "--data-dir", _data_dir(),
+                               "--out", str(out)]) == 0
+    rows = {r["family"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"vit", "gpt"}
+    for row in rows.values():
+        assert row["exact_meter_ratio"] == pytest.approx(1.0)
+        assert row["exact_grads_identical"]
+        # division stores fewer bytes than it would hold exactly, and its gradient points the
+        # same way as the exact one (random init, so only roughly)
+        assert row["meter_ratio"] > 1.0 and row["saved_bytes"] < row["exact_bytes"]
+        assert 0.5 < row["grad_cosine"] <= 1.0 and row["grad_rel_error"] > 0
+        assert row["held_bytes"]["normal"] > 0 and row["step_ratio"] > 0
+        assert set(row["goals"]) == {"memory", "meter_agrees", "step_time"}
+    assert "family" in capsys.readouterr().out
+
+
+def test_unknown_family_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        architectures.main(["--quick", "--families", "lenet"])
+    assert exit_.value.code == 2 and "--families: unknown 'lenet'" in capsys.readouterr().err
