@@ -41,3 +41,45 @@ def test_unknown_family_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_:
         architectures.main(["--quick", "--families", "lenet"])
     assert exit_.value.code == 2 and "--families: unknown 'lenet'" in capsys.readouterr().err
+
+
+def test_trainings_summary_pairs_seeds(tmp_path):
+    from benchmarks import trainings
+
+    spec = tmp_path / "tiny.toml"
+    spec.write_text('''name = "tiny"
+[base]
+model = "gpt"
+model_options = { dim = 16, depth = 1, heads = 1, context = 16 }
+dataset = "stdlib-text"
+subset = 16
+epochs = 1
+batch_size = 8
+optimizer = "adamw"
+lr = 3e-3
+save_epochs = []
+[grid]
+seed = [0, 1]
+[[variants]]
+label = "normal"
+mode = "normal"
+[[variants]]
+label = "division"
+mode = "division"
+''')
+    results = tmp_path / "tiny.json"
+    assert trainings.main(["--spec", str(spec), "--out", str(tmp_path / "study"),
+                           "--results", str(results)]) == 0
+    doc = json.loads(results.read_text())
+    arms = {a["label"]: a for a in doc["arms"]}
+    assert arms["normal"]["seeds"] == arms["division"]["seeds"] == [0, 1]
+    (paired,) = doc["paired"]
+    for name in ("test_loss", "test_acc"):
+        expected = [d - n for d, n in zip(arms["division"][name]["per_seed"],
+                                          arms["normal"][name]["per_seed"])]
+        assert paired[name]["per_seed"] == pytest.approx(expected)
+        assert paired[name]["mean"] == pytest.approx(sum(expected) / 2)
+    # the per-seed values are the runs' own last metrics rows
+    last = [json.loads(line) for line in
+            (tmp_path / "study" / "division" / "seed-1" / "metrics.jsonl").read_text().splitlines()]
+    assert arms["division"]["test_loss"]["per_seed"][1] == last[-1]["test_loss"]
