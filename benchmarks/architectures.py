@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", default=None,
                         help="CIFAR-10's parent folder (default $FREQACT_DATA, else ../shared/data)")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="timed rounds per step time (default 5, --quick 1)")
+                        help="timed rounds per step time (default 3, --quick 1)")
     parser.add_argument("--out", default=None, help="results JSON (default results/"
                         "architectures-cpu.json; --quick: not written unless given)")
     parser.add_argument("--memory-case", nargs=2, metavar=("FAMILY", "MODE"),
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.families or ()) - set(cases))
     if unknown:
         parser.error(f"--families: unknown {unknown[0]!r}; expected some of {', '.join(cases)}")
-    rounds = args.rounds or (1 if args.quick else 5)
+    rounds = args.rounds or (1 if args.quick else 3)
     if rounds < 1:
         parser.error(f"--rounds: expected an integer >= 1, got {rounds}")
     data_dir = args.data_dir or os.environ.get("FREQACT_DATA") or str(REPO_ROOT.parent / "shared"

@@ -38,14 +38,27 @@ def summarise(study: sweep.Study) -> dict:
 
     Returns:
         {"arms": [{"label", "model", "mode", "seeds": [...], METRIC: {"per_seed", "mean",
-        "std"}}], "paired": [{"model", "against", METRIC: {"per_seed", "mean", "std"}}]}:
-        paired values are (other mode - normal) for the seeds both arms finished.
+        "std"}}], "paired": [{"model", "against", "seeds", METRIC: {"per_seed", "mean",
+        "std"}}]}: paired values are (other mode - normal) for the seeds both arms finished;
+        unfinished runs are left out.
     """
+    arms = _arms(study)
+    paired = []
+    for arm in arms:
+        base = next((a for a in arms if a["model"] == arm["model"] and a["mode"] == "normal"),
+                    None)
+        if arm["mode"] != "normal" and base is not None:
+            paired.append(_paired(arm, base))
+    return {"arms": arms, "paired": paired}
+
+
+def _arms(study: sweep.Study) -> list[dict]:
+    """One entry per variant: its finished runs' last metrics, per seed and their spread."""
     arms: dict[str, dict] = {}
     for run in study.runs:
         metrics = sweep.read_metrics(run.run_dir)
         if not metrics or metrics[-1]["epoch"] < run.config.epochs:
-            continue  # not finished: left out of the summary
+            continue
         arm = arms.setdefault(run.label, {"label": run.label, "model": run.config.model,
                                           "mode": run.config.mode, "seeds": [],
                                           "compression_ratio": metrics[-1]["compression_ratio"]})
@@ -55,21 +68,18 @@ def summarise(study: sweep.Study) -> dict:
     for arm in arms.values():
         for name in METRICS:
             arm[name].update(_spread(arm[name]["per_seed"]))
-    paired = []
-    for arm in arms.values():
-        base = next((a for a in arms.values()
-                     if a["model"] == arm["model"] and a["mode"] == "normal"), None)
-        if arm["mode"] == "normal" or base is None:
-            continue
-        seeds = [s for s in arm["seeds"] if s in base["seeds"]]
-        row = {"model": arm["model"], "against": f"{arm['label']} - {base['label']}",
-               "seeds": seeds}
-        for name in METRICS:
-            diffs = [arm[name]["per_seed"][arm["seeds"].index(s)]
-                     - base[name]["per_seed"][base["seeds"].index(s)] for s in seeds]
-            row[name] = {"per_seed": diffs, **(_spread(diffs) if diffs else {})}
-        paired.append(row)
-    return {"arms": list(arms.values()), "paired": paired}
+    return list(arms.values())
+
+
+def _paired(arm: dict, base: dict) -> dict:
+    """arm - base for every seed both finished (same seed: same initial weights, data order)."""
+    seeds = [s for s in arm["seeds"] if s in base["seeds"]]
+    row = {"model": arm["model"], "against": f"{arm['label']} - {base['label']}", "seeds": seeds}
+    for name in METRICS:
+        diffs = [arm[name]["per_seed"][arm["seeds"].index(s)]
+                 - base[name]["per_seed"][base["seeds"].index(s)] for s in seeds]
+        row[name] = {"per_seed": diffs, **(_spread(diffs) if diffs else {})}
+    return row
 
 
 def _pm(value: dict, digits: int = 4) -> str:
