@@ -66,13 +66,14 @@ class Case:
         return models.get(self.model, num_classes=data.num_classes(self.dataset), **self.options)
 
 
+# Batches sized for 2 shared CPU cores (ratios hardly depend on the batch: bytes scale with it).
 CASES = (
-    Case("resnet18-cifar", "resnet18", 64),
-    Case("vit", "vit", 32),
-    Case("swin", "swin", 32),
-    Case("convnext", "convnext", 32),
-    Case("mobilenet_v3", "mobilenet_v3", 32),
-    Case("gpt", "gpt", 32, dataset=data.TEXT_DATASET),
+    Case("resnet18-cifar", "resnet18", 32),
+    Case("vit", "vit", 16),
+    Case("swin", "swin", 16),
+    Case("convnext", "convnext", 16),
+    Case("mobilenet_v3", "mobilenet_v3", 16),
+    Case("gpt", "gpt", 16, dataset=data.TEXT_DATASET),
 )
 # --quick: the same families, tiny, so that the whole benchmark runs in seconds.
 QUICK = (

@@ -114,3 +114,19 @@ def test_text_needs_a_language_model(tmp_path, capsys):
                      "--device", "cpu", "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "needs a language model" in err and len(err.splitlines()) == 1
+
+
+def test_checkpoint_with_inflated_model_options_is_refused(tmp_path):
+    out = tmp_path / "run"
+    assert cli.main(_train_args(out, "--epochs", "1")) == 0
+    ckpt = torch.load(out / "ckpt" / "last.pt", weights_only=True)
+    assert checkpoint.load_model(out / "ckpt" / "last.pt")[0].input_shape == (TINY["context"],)
+    ckpt["config"]["model_options"] = {**TINY, "dim": 2**12, "depth": 2**6}  # ~1e10 weights
+    bad = tmp_path / "bad.pt"
+    checkpoint.save(bad, ckpt)
+    with pytest.raises(ValueError, match=r"bad\.pt: weights do not fit model 'gpt'"):
+        checkpoint.load_model(bad)
+    ckpt["config"]["model_options"] = [1]
+    checkpoint.save(bad, ckpt)
+    with pytest.raises(ValueError, match="config model_options: expected dict"):
+        checkpoint.load_model(bad)
