@@ -22,6 +22,8 @@ from freqact import _validate
 __all__ = [
     "dct",
     "idct",
+    "WINDOW_RULES",
+    "windows",
     "lowpass_mask",
     "highpass_mask",
     "split",
@@ -33,6 +35,9 @@ __all__ = [
 ]
 
 _REDUCTIONS = ("instance", "channel", "all")
+
+WINDOW_RULES = ("nearest", "official")
+"""How a ratio r becomes the kept window W of a length-N axis (see `windows`)."""
 
 # On the CPU the maps are transformed a chunk at a time so that the intermediate results of the
 # per-axis stages live in bounded, reused buffers instead of a second activation-sized temporary:
@@ -187,16 +192,21 @@ def _check_nonempty(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected a non-empty tensor for a norm, got shape {tuple(x.shape)}")
 
 
-def _windows(sizes: Sequence[int], ratio: object, window: object) -> list[int]:
-    """Kept low frequencies W per dim, from exactly one of `ratio` or `window` (see lowpass_mask)."""
+def _windows(sizes: Sequence[int], ratio: object, window: object, rule: object = "nearest") -> list[int]:
+    """Kept low frequencies W per dim, from exactly one of `ratio` or `window` (see `windows`)."""
     if (ratio is None) == (window is None):
         raise ValueError(
             f"ratio/window: expected exactly one of them, got ratio={ratio!r}, window={window!r}"
         )
+    _validate.choice("rule", rule, WINDOW_RULES)
     if window is not None:
         w = _validate.positive_int("window", window)
         return [min(w, n) for n in sizes]
     r = _validate.unit_ratio("ratio", ratio)
+    if rule == "official":
+        # The DIVISION code's rule, Python's round (ties to even) of r*N + 0.5, i.e. about
+        # ceil(r*N): W = 4/2/1 at r = 0.1 for N = 32/16/8, where "nearest" gives 3/2/1.
+        return [min(n, max(1, round(r * n + 0.5))) for n in sizes]
     # Round half up (not Python's half-to-even) so that a tie always keeps the larger window.
     return [min(n, max(1, math.floor(r * n + 0.5))) for n in sizes]
 
@@ -248,37 +258,71 @@ def idct(X: torch.Tensor, dims: int = 2) -> torch.Tensor:
     return _separable(X, dims, lambda _, n, dtype, device: _basis(n, dtype, device).mT).to(X.dtype)
 
 
-def lowpass_mask(
-    shape: Sequence[int],
-    ratio: float | None = None,
-    *,
-    window: int | None = None,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """The paper's mask M: True on the top-left W x ... x W corner of the DCT coefficients.
+def _check_shape(shape: object) -> list[int]:
+    if isinstance(shape, (tuple, list, torch.Size)) and 1 <= len(shape) <= 3:
+        return [_validate.positive_int("shape", n) for n in shape]
+    raise ValueError(f"shape: expected a sequence of 1 to 3 sizes, got {shape!r}")
 
-    Rounding rule: ``W_d = max(1, floor(ratio * N_d + 0.5))`` per dim (round half up), so the mask
-    is never empty and ratio=1 keeps everything. With ``window=W`` the same W is used in every dim,
-    clipped to the dim's size (W >= N_d keeps the whole dim).
+
+def windows(
+    shape: Sequence[int], ratio: float | None = None, *, window: int | None = None, rule: str = "nearest"
+) -> tuple[int, ...]:
+    """The kept window W_d of each frequency dim: the mask keeps indices < W_d in every dim.
+
+    Rules for a ratio r and a dim of size N (both clipped to 1 <= W <= N, so a mask is never empty
+    and r = 1 keeps everything):
+
+    - ``"nearest"`` (default): ``W = floor(r * N + 0.5)``, r*N rounded half up.
+    - ``"official"``: ``W = round(r * N + 0.5)`` with Python's round (ties to even), the rule of the
+      DIVISION authors' code; about ceil(r * N). ResNet-20's N = 32/16/8 give W = 4/2/1 at r = 0.1
+      and 7/4/2 at 0.2 ("nearest": 3/2/1 and 6/3/2).
+
+    With ``window=W`` the same W is used in every dim, clipped to the dim's size (rule unused).
 
     Args:
         shape: the frequency shape (N_1, ..., N_d), d in {1, 2, 3}, sizes >= 1.
         ratio: kept fraction W/N per dim, in (0, 1]. Give exactly one of ratio and window.
         window: integer W >= 1.
+        rule: "nearest" or "official" (`WINDOW_RULES`).
+
+    Returns:
+        (W_1, ..., W_d).
+
+    Raises:
+        TypeError/ValueError: naming `shape`, `ratio`, `window` or `rule`.
+    """
+    return tuple(_windows(_check_shape(shape), ratio, window, rule))
+
+
+def lowpass_mask(
+    shape: Sequence[int],
+    ratio: float | None = None,
+    *,
+    window: int | None = None,
+    rule: str = "nearest",
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """The paper's mask M: True on the top-left W_1 x ... x W_d corner of the DCT coefficients.
+
+    W_d from `windows(shape, ratio, window=window, rule=rule)`; the default rule rounds
+    ``ratio * N_d`` half up, at least 1.
+
+    Args:
+        shape: the frequency shape (N_1, ..., N_d), d in {1, 2, 3}, sizes >= 1.
+        ratio: kept fraction W/N per dim, in (0, 1]. Give exactly one of ratio and window.
+        window: integer W >= 1.
+        rule: "nearest" or "official" (see `windows`).
         device: where to build the mask (default CPU).
 
     Returns:
         Bool tensor of shape `shape`, True where the index is < W_d in every dim.
 
     Raises:
-        TypeError/ValueError: naming `shape`, `ratio` or `window`.
+        TypeError/ValueError: naming `shape`, `ratio`, `window` or `rule`.
     """
-    if isinstance(shape, (tuple, list)) and 1 <= len(shape) <= 3:
-        sizes = [_validate.positive_int("shape", n) for n in shape]
-    else:
-        raise ValueError(f"shape: expected a sequence of 1 to 3 sizes, got {shape!r}")
+    sizes = _check_shape(shape)
     mask = torch.zeros(sizes, dtype=torch.bool, device=device)
-    mask[tuple(slice(0, w) for w in _windows(sizes, ratio, window))] = True
+    mask[tuple(slice(0, w) for w in _windows(sizes, ratio, window, rule))] = True
     return mask
 
 
@@ -287,22 +331,28 @@ def highpass_mask(
     ratio: float | None = None,
     *,
     window: int | None = None,
+    rule: str = "nearest",
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """1 - M: the complement of `lowpass_mask` (same arguments and rounding rule)."""
-    return ~lowpass_mask(shape, ratio, window=window, device=device)
+    return ~lowpass_mask(shape, ratio, window=window, rule=rule, device=device)
 
 
-def _lowpass_compute(x: torch.Tensor, ratio, dims, window) -> torch.Tensor:
+def _lowpass_compute(x: torch.Tensor, ratio, dims, window, rule) -> torch.Tensor:
     """Low-pass part in x's compute dtype: one separable projection per axis (= iDCT(DCT(x) * M))."""
-    windows = _windows(x.shape[x.dim() - dims :], ratio, window)
+    kept = _windows(x.shape[x.dim() - dims :], ratio, window, rule)
     return _separable(
-        x, dims, lambda axis, n, dtype, device: _lowpass_projection(n, windows[axis], dtype, device)
+        x, dims, lambda axis, n, dtype, device: _lowpass_projection(n, kept[axis], dtype, device)
     )
 
 
 def split(
-    x: torch.Tensor, ratio: float | None = None, dims: int = 2, *, window: int | None = None
+    x: torch.Tensor,
+    ratio: float | None = None,
+    dims: int = 2,
+    *,
+    window: int | None = None,
+    rule: str = "nearest",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split x into low- and high-frequency components with the DCT mask M.
 
@@ -314,6 +364,7 @@ def split(
         ratio: kept fraction W/N per dim, in (0, 1] (rounding rule in `lowpass_mask`).
         dims: how many trailing dims carry frequencies: 1, 2 or 3.
         window: integer W instead of ratio.
+        rule: how ratio becomes W, "nearest" or "official" (see `windows`).
 
     Returns:
         (lfc, hfc), each shaped, typed and placed like x.
@@ -322,19 +373,21 @@ def split(
         TypeError/ValueError: naming `x`, `ratio`, `window` or `dims`.
     """
     dims = _check_input("x", x, dims)
-    low = _lowpass_compute(x, ratio, dims, window)
+    low = _lowpass_compute(x, ratio, dims, window, rule)
     return low.to(x.dtype), (x.to(low.dtype) - low).to(x.dtype)
 
 
-def lowpass(x: torch.Tensor, ratio: float | None = None, dims: int = 2, *, window: int | None = None):
+def lowpass(x: torch.Tensor, ratio: float | None = None, dims: int = 2, *, window: int | None = None,
+            rule: str = "nearest"):
     """The low-frequency component iDCT(DCT(x) * M); arguments as `split`. Shape of x."""
     dims = _check_input("x", x, dims)
-    return _lowpass_compute(x, ratio, dims, window).to(x.dtype)
+    return _lowpass_compute(x, ratio, dims, window, rule).to(x.dtype)
 
 
-def highpass(x: torch.Tensor, ratio: float | None = None, dims: int = 2, *, window: int | None = None):
+def highpass(x: torch.Tensor, ratio: float | None = None, dims: int = 2, *, window: int | None = None,
+             rule: str = "nearest"):
     """The high-frequency component iDCT(DCT(x) * (1 - M)); arguments as `split`. Shape of x."""
-    return split(x, ratio, dims, window=window)[1]
+    return split(x, ratio, dims, window=window, rule=rule)[1]
 
 
 def band_energy(
@@ -344,6 +397,7 @@ def band_energy(
     reduce: str = "instance",
     *,
     window: int | None = None,
+    rule: str = "nearest",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """λ^L = ‖DCT(x) * M‖_F and λ^H = ‖DCT(x) * (1 - M)‖_F (the paper's band norms).
 
@@ -357,6 +411,7 @@ def band_energy(
             "channel": per (sample, channel), shape (N, C) (needs rank >= dims + 2);
             "all": one norm over the whole tensor, shape ().
         window: integer W instead of ratio.
+        rule: how ratio becomes W, "nearest" or "official" (see `windows`).
 
     Returns:
         (lam_L, lam_H), float32 for half inputs, else x's dtype; differentiable.
@@ -374,7 +429,7 @@ def band_energy(
             f"got shape {tuple(x.shape)}"
         )
     energy = dct(x.to(_compute_dtype(x)), dims).square()
-    mask = lowpass_mask(x.shape[x.dim() - dims :], ratio, window=window, device=x.device)
+    mask = lowpass_mask(x.shape[x.dim() - dims :], ratio, window=window, rule=rule, device=x.device)
     summed = tuple(range(kept, x.dim()))
     lam_low = energy.masked_fill(~mask, 0).sum(summed).sqrt()
     lam_high = energy.masked_fill(mask, 0).sum(summed).sqrt()

@@ -1,11 +1,18 @@
 """The paper's frequency-domain caches: `lfc` (LFC-ACT) and `hfc` (HFC-ACT).
 
 x is read as maps (N, C, *S) by the same rule as the DIVISION codecs (`reference.as_maps`): 1D maps
-for (N, F) (one per sample) and rank-3 tensors, 2D for rank 4, 3D for rank 5. Each map's
-orthonormal DCT X is taken over its spatial dims, and the cache holds only the coefficients that
-`freqact.dct.lowpass_mask(S, ratio)` keeps (`lfc`: the top-left W_1 x ... x W_d corner) or drops
-(`hfc`: the complement, stored as d disjoint boxes). Decode puts them back in a zero spectrum and
-applies the inverse DCT, so decode(encode(x)) is the exact low-pass / high-pass part of x.
+for rank-3 tensors, 2D for rank 4, 3D for rank 5. Each map's orthonormal DCT X is taken over its
+spatial dims, and the cache holds only the coefficients that
+`freqact.dct.lowpass_mask(S, ratio, rule=window_rule)` keeps (`lfc`: the top-left W_1 x ... x W_d
+corner) or drops (`hfc`: the complement, stored as d disjoint boxes). Decode puts them back in a
+zero spectrum and applies the inverse DCT, so decode(encode(x)) is the exact low-pass / high-pass
+part of x. `hfc` with `bits=Q` instead stores that high-pass part in the spatial domain, Q-bit
+quantised per map with DIVISION's unbiased quantiser (the official code's `rm_lfc` HFC-ACT path).
+
+Only tensors with a spatial or sequence axis have frequencies: `accepts(x)` is False for rank-2
+(N, F) inputs (a Linear layer on features; the official code never converts the classifier), and
+`freqact.compress` keeps what a codec declines exactly. `encode` itself still takes (N, F) as one
+1D map per sample, for direct use.
 
 Coefficients are stored in x's dtype: the cache costs x's bytes times the kept fraction, which is
 the paper's accounting. For float16/bfloat16 the transform runs in float32 and only the stored
@@ -18,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from freqact import _validate, dct
+from freqact import _validate, dct, kernels
 from freqact.codecs.base import Codec, register, tensor_nbytes
-from freqact.kernels.reference import as_maps
+from freqact.kernels.reference import DivisionPacked, as_maps, check_bits
 
 
 @dataclass(frozen=True)
@@ -67,30 +74,38 @@ class _Spectral(Codec):
 
     _high: bool
 
-    def __init__(self, ratio: float):
+    def __init__(self, ratio: float, window_rule: str = "nearest"):
         self.ratio = _validate.unit_ratio("ratio", ratio)
+        self.window_rule = _validate.choice("window_rule", window_rule, dct.WINDOW_RULES)
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        """True for tensors with a spatial or sequence axis (rank >= 3); (N, F) is declined."""
+        return x.dim() >= 3
+
+    def windows(self, shape) -> tuple[int, ...]:
+        """W_d per spatial dim of the maps of a tensor of `shape` (as encode uses them)."""
+        spatial = as_maps(torch.empty(shape, device="meta")).shape[2:]
+        return dct.windows(spatial, self.ratio, rule=self.window_rule)
 
     def encode(self, x: torch.Tensor) -> SpectralPacked:
         _validate.floating_tensor("x", x)
         with torch.no_grad():
             maps = as_maps(x)
-            spatial = tuple(maps.shape[2:])
-            mask = dct.lowpass_mask(spatial, self.ratio)
-            # W_d = the mask's extent along dim d (it is a corner box).
-            windows = tuple(
-                int(mask[(0,) * d + (slice(None),) + (0,) * (len(spatial) - d - 1)].sum())
-                for d in range(len(spatial))
-            )
-            coeffs = dct.dct(maps, dims=len(spatial))  # (N, C, *S), x's dtype
+            windows = self.windows(x.shape)
+            if not self._high:
+                return SpectralPacked((dct.lowpass_coefficients(maps, windows),), x.shape, windows, False)
+            coeffs = dct.dct(maps, dims=len(windows))  # (N, C, *S), x's dtype
             # contiguous() copies each box out, so the full spectrum is not kept alive.
-            pieces = tuple(coeffs[(...,) + box].contiguous() for box in _boxes(windows, self._high))
-        return SpectralPacked(pieces, x.shape, windows, self._high)
+            pieces = tuple(coeffs[(...,) + box].contiguous() for box in _boxes(windows, True))
+        return SpectralPacked(pieces, x.shape, windows, True)
 
     def decode(self, packed: SpectralPacked) -> torch.Tensor:
         """Inverse DCT of the kept coefficients (zeros elsewhere); shape and dtype of x."""
-        first = packed.pieces[0]
         maps_shape = as_maps(torch.empty(packed.shape, device="meta")).shape
         with torch.no_grad():
+            if not packed.high:
+                return dct.lowpass_synthesis(packed.pieces[0], maps_shape[2:]).reshape(packed.shape)
+            first = packed.pieces[0]
             coeffs = torch.zeros(maps_shape, dtype=first.dtype, device=first.device)
             for box, piece in zip(_boxes(packed.windows, packed.high), packed.pieces):
                 coeffs[(...,) + box] = piece
@@ -99,11 +114,13 @@ class _Spectral(Codec):
 
 @register("lfc")
 class LowFrequency(_Spectral):
-    """LFC-ACT: cache the DCT coefficients inside the low-pass mask (W_d = ratio * S_d, rounded
-    half up, at least 1); decode is the low-pass part of x.
+    """LFC-ACT: cache the DCT coefficients inside the low-pass mask; decode is the low-pass part
+    of x. Declines (N, F) tensors (see the module docstring).
 
     Args:
         ratio: kept fraction W/N of each spatial frequency axis, in (0, 1].
+        window_rule: how ratio becomes W (`freqact.dct.windows`): "nearest" (W = r*N rounded half
+            up, at least 1) or "official" (the DIVISION code's round(r*N + 0.5)).
     """
 
     _high = False
@@ -111,11 +128,37 @@ class LowFrequency(_Spectral):
 
 @register("hfc")
 class HighFrequency(_Spectral):
-    """HFC-ACT: cache the DCT coefficients outside the low-pass mask; decode is the high-pass part
-    of x (all zeros at ratio=1, where nothing is stored).
+    """HFC-ACT: cache what the low-pass mask drops; decode is the high-pass part of x (all zeros
+    at ratio=1, where nothing is stored). Declines (N, F) tensors (see the module docstring).
+
+    With `bits=Q` the high-pass part x - iDCT(DCT(x) * M) is stored in the spatial domain as Q-bit
+    codes per map (DIVISION's quantiser: bf16 min and step per map, stochastic rounding, unbiased;
+    a `DivisionPacked` without block means), as the official code's HFC-ACT (`rm_lfc`) did with
+    Q = 2. Per map of P elements that is ceil(Q * P / 8) + 4 bytes.
 
     Args:
         ratio: the low-pass mask's fraction W/N per spatial axis, in (0, 1].
+        window_rule: "nearest" or "official", as for `lfc`.
+        bits: None (default): exact coefficients; else Q in {1, 2, 4, 8}.
     """
 
     _high = True
+
+    def __init__(self, ratio: float, window_rule: str = "nearest", bits: int | None = None):
+        super().__init__(ratio, window_rule)
+        self.bits = None if bits is None else check_bits(bits)
+
+    def encode(self, x: torch.Tensor) -> SpectralPacked | DivisionPacked:
+        if self.bits is None:
+            return super().encode(x)
+        _validate.floating_tensor("x", x)
+        with torch.no_grad():
+            maps = as_maps(x)
+            windows = self.windows(x.shape)
+            high = maps - dct.lowpass_synthesis(dct.lowpass_coefficients(maps, windows), maps.shape[2:])
+            return kernels.quantize_encode(high.reshape(x.shape), self.bits)
+
+    def decode(self, packed: SpectralPacked | DivisionPacked) -> torch.Tensor:
+        if isinstance(packed, DivisionPacked):
+            return kernels.division_decode(packed)
+        return super().decode(packed)

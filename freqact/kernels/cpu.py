@@ -29,8 +29,8 @@ import torch
 
 from freqact.kernels.reference import as_maps, packed_shapes
 
-__all__ = ["available", "division_decode", "division_encode", "library_path", "pack_codes",
-           "pack_mask", "unavailable_reason", "unpack_codes", "unpack_mask"]
+__all__ = ["available", "division_decode", "division_encode", "library_path", "load_library",
+           "pack_codes", "pack_mask", "unavailable_reason", "unpack_codes", "unpack_mask"]
 
 SOURCE = Path(__file__).with_name("cpu_division.c")
 # No -ffast-math and no FMA contraction: each float operation must round as torch's does.
@@ -63,25 +63,25 @@ def _cpu_model() -> str:
     return "\n".join(next((line for line in lines if line.startswith(w)), "") for w in wanted)
 
 
-def library_path() -> Path:
+def library_path(source: Path = SOURCE, cflags: tuple[str, ...] = CFLAGS) -> Path:
     """Where the compiled library for this source, compiler, flags and CPU lives (or will)."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(_compiler()).encode(), " ".join(CFLAGS).encode(),
+    for part in (source.read_bytes(), " ".join(_compiler()).encode(), " ".join(cflags).encode(),
                  platform.machine().encode(), _cpu_model().encode()):  # -march=native
         key.update(part + b"\0")
     cache = Path(os.environ.get("FREQACT_CACHE") or Path.home() / ".cache" / "freqact")
-    return cache / f"cpu_division-{key.hexdigest()[:16]}.so"
+    return cache / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 
-def _build(target: Path) -> None:
-    """Compile SOURCE to target; without -fopenmp if the compiler refuses it (single-threaded)."""
+def _build(target: Path, source: Path = SOURCE, cflags: tuple[str, ...] = CFLAGS) -> None:
+    """Compile source to target; without -fopenmp if the compiler refuses it (single-threaded)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
     os.close(fd)
     try:
         errors = []
-        for flags in (CFLAGS, tuple(f for f in CFLAGS if f != "-fopenmp")):
-            cmd = [*_compiler(), *flags, str(SOURCE), "-o", tmp]
+        for flags in (cflags, tuple(f for f in cflags if f != "-fopenmp")):
+            cmd = [*_compiler(), *flags, str(source), "-o", tmp]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode == 0:
                 os.replace(tmp, target)
@@ -93,16 +93,26 @@ def _build(target: Path) -> None:
             os.unlink(tmp)
 
 
+def load_library(source: Path, cflags: tuple[str, ...] = CFLAGS) -> ctypes.CDLL | str:
+    """The C file `source` built (once per content, cached as above) and loaded, or a string
+    saying why not. Callers keep the result (e.g. in a functools.cache) and set the argument and
+    result types of the functions they use.
+    """
+    try:
+        path = library_path(source, cflags)
+        if not path.exists():
+            _build(path, source, cflags)
+        return ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"the C kernels of {source.name} could not be built or loaded: {err}"
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | str:
     """The loaded library, or a string saying why it cannot be had."""
-    try:
-        path = library_path()
-        if not path.exists():
-            _build(path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as err:
-        return f"the C kernels could not be built or loaded: {err}"
+    lib = load_library(SOURCE)
+    if isinstance(lib, str):
+        return lib
     for name, (args, result) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, result
