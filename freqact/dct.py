@@ -8,6 +8,12 @@ Every transform here is a separable linear map: one small (N x N) matrix applied
 transformed axis. The matrices are built once per (size, dtype, device) in float64 and cached; at
 activation sizes (N <= 224) these matmuls beat FFT-based DCTs. float16/bfloat16 inputs are computed
 in float32 (their own precision would lose ~3 digits per axis) and cast back.
+
+Fast path: float32 (and half) CPU work over the last 1 or 2 dims that needs no gradient (no input
+requires grad, or grad mode is off: inside the codecs, analyses under no_grad) runs in the fused C
+kernels of `freqact.kernels.cpu_dct` (per map, in cache, even/odd symmetry of the basis); the
+matmul path here is the reference they are tested against and serves autograd, float64, 3D and
+CUDA. FREQACT_KERNELS=torch switches the fast path off.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from typing import Sequence
 import torch
 
 from freqact import _validate
+from freqact.kernels import cpu_dct
 
 __all__ = [
     "dct",
@@ -26,6 +33,8 @@ __all__ = [
     "windows",
     "lowpass_mask",
     "highpass_mask",
+    "lowpass_coefficients",
+    "lowpass_synthesis",
     "split",
     "lowpass",
     "highpass",
@@ -154,6 +163,25 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
+def _fast(x: torch.Tensor, dims: int) -> bool:
+    """Whether the C kernels compute this transform (see the module docstring)."""
+    return (
+        x.device.type == "cpu"
+        and dims <= 2
+        and _compute_dtype(x) == torch.float32
+        and not (x.requires_grad and torch.is_grad_enabled())
+        and x.numel() > 0
+        and max(x.shape[x.dim() - dims :]) <= cpu_dct.MAX_SIZE
+        and cpu_dct.available()
+    )
+
+
+def _as_2d(x: torch.Tensor, dims: int) -> torch.Tensor:
+    """x in float32 with its last `dims` (1 or 2) dims as (h, w) maps; 1D data is h = 1."""
+    x = x.float()
+    return x.unsqueeze(-2) if dims == 1 else x
+
+
 def _separable(x: torch.Tensor, dims: int, matrix) -> torch.Tensor:
     """x's last `dims` axes transformed by matrix(axis, n, dtype, device), in x's compute dtype.
 
@@ -237,6 +265,8 @@ def dct(x: torch.Tensor, dims: int = 2) -> torch.Tensor:
         True
     """
     dims = _check_input("x", x, dims)
+    if _fast(x, dims):
+        return cpu_dct.dct2(_as_2d(x, dims)).view(x.shape).to(x.dtype)
     return _separable(x, dims, lambda _, n, dtype, device: _basis(n, dtype, device)).to(x.dtype)
 
 
@@ -254,6 +284,8 @@ def idct(X: torch.Tensor, dims: int = 2) -> torch.Tensor:
         TypeError/ValueError: as `dct`, naming `X`.
     """
     dims = _check_input("X", X, dims)
+    if _fast(X, dims):
+        return cpu_dct.dct2(_as_2d(X, dims), inverse=True).view(X.shape).to(X.dtype)
     # The inverse of an orthonormal D is D^T.
     return _separable(X, dims, lambda _, n, dtype, device: _basis(n, dtype, device).mT).to(X.dtype)
 
@@ -338,9 +370,73 @@ def highpass_mask(
     return ~lowpass_mask(shape, ratio, window=window, rule=rule, device=device)
 
 
+def _check_windows(x: torch.Tensor, windows: object) -> tuple[int, ...]:
+    """`windows` as a tuple of 1-3 ints, one per trailing dim of x, each in [1, that dim]."""
+    if not isinstance(windows, (tuple, list)) or not 1 <= len(windows) <= min(3, x.dim()):
+        raise ValueError(f"windows: expected 1 to 3 window sizes, got {windows!r}")
+    sizes = x.shape[x.dim() - len(windows) :]
+    kept = tuple(_validate.positive_int("windows", w) for w in windows)
+    if any(w > n for w, n in zip(kept, sizes)):
+        raise ValueError(f"windows: expected sizes <= the dims {tuple(sizes)}, got {kept}")
+    return kept
+
+
+def lowpass_coefficients(x: torch.Tensor, windows: Sequence[int]) -> torch.Tensor:
+    """The kept corner DCT(x)[..., :W_1, ..., :W_d] (d = len(windows)), without the full spectrum.
+
+    Args:
+        x: real floating tensor, shape (*, N_1, ..., N_d).
+        windows: (W_1, ..., W_d), 1 <= W_i <= N_i (e.g. from `windows`).
+
+    Returns:
+        (*, W_1, ..., W_d) in x's dtype and device; differentiable.
+
+    Raises:
+        TypeError/ValueError: naming `x` or `windows`.
+    """
+    _validate.floating_tensor("x", x)
+    kept = _check_windows(x, windows)
+    dims = _check_input("x", x, len(kept))
+    if _fast(x, dims):
+        low = cpu_dct.dct_corner(_as_2d(x, dims), *((1,) * (2 - dims) + kept))
+        return low.view(*x.shape[: x.dim() - dims], *kept).to(x.dtype)
+    return dct(x, dims)[(...,) + tuple(slice(0, w) for w in kept)]
+
+
+def lowpass_synthesis(coeffs: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """The inverse DCT of corner coefficients placed in a zero spectrum of `sizes`.
+
+    Args:
+        coeffs: real floating tensor, shape (*, W_1, ..., W_d), d = len(sizes) in {1, 2, 3}.
+        sizes: (N_1, ..., N_d) with N_i >= W_i.
+
+    Returns:
+        (*, N_1, ..., N_d) in coeffs' dtype and device: lowpass(x) when coeffs come from
+        `lowpass_coefficients(x, ...)`. Differentiable.
+
+    Raises:
+        TypeError/ValueError: naming `coeffs` or `sizes`.
+    """
+    _validate.floating_tensor("coeffs", coeffs)
+    sizes = tuple(_check_shape(list(sizes) if isinstance(sizes, torch.Size) else sizes))
+    dims = _check_input("coeffs", coeffs, len(sizes))
+    kept = tuple(coeffs.shape[coeffs.dim() - dims :])
+    if any(w > n for w, n in zip(kept, sizes)):
+        raise ValueError(f"sizes: expected sizes >= the coefficients' {kept}, got {sizes}")
+    lead = coeffs.shape[: coeffs.dim() - dims]
+    if _fast(coeffs, dims):
+        out = cpu_dct.idct_corner(_as_2d(coeffs, dims), *((1,) * (2 - dims) + sizes))
+        return out.view(*lead, *sizes).to(coeffs.dtype)
+    pad = [p for w, n in zip(reversed(kept), reversed(sizes)) for p in (0, n - w)]
+    return idct(torch.nn.functional.pad(coeffs, pad), dims)
+
+
 def _lowpass_compute(x: torch.Tensor, ratio, dims, window, rule) -> torch.Tensor:
     """Low-pass part in x's compute dtype: one separable projection per axis (= iDCT(DCT(x) * M))."""
     kept = _windows(x.shape[x.dim() - dims :], ratio, window, rule)
+    if _fast(x, dims):
+        corner = cpu_dct.dct_corner(_as_2d(x, dims), *((1,) * (2 - dims) + tuple(kept)))
+        return cpu_dct.idct_corner(corner, *((1,) * (2 - dims) + x.shape[x.dim() - dims :])).view(x.shape)
     return _separable(
         x, dims, lambda axis, n, dtype, device: _lowpass_projection(n, kept[axis], dtype, device)
     )
@@ -428,6 +524,13 @@ def band_energy(
             f"x: reduce={reduce!r} with dims={dims} needs rank >= {dims + kept}, "
             f"got shape {tuple(x.shape)}"
         )
+    if _fast(x, dims):
+        kept_w = _windows(x.shape[x.dim() - dims :], ratio, window, rule)
+        low, high = cpu_dct.band_energy(_as_2d(x, dims), *((1,) * (2 - dims) + tuple(kept_w)))
+        summed = tuple(range(kept, x.dim() - dims))
+        if summed:  # sum(()) would reduce every dim
+            low, high = low.sum(summed), high.sum(summed)
+        return low.sqrt().to(torch.float32), high.sqrt().to(torch.float32)
     energy = dct(x.to(_compute_dtype(x)), dims).square()
     mask = lowpass_mask(x.shape[x.dim() - dims :], ratio, window=window, rule=rule, device=x.device)
     summed = tuple(range(kept, x.dim()))
