@@ -162,3 +162,56 @@ class HighFrequency(_Spectral):
         if isinstance(packed, DivisionPacked):
             return kernels.division_decode(packed)
         return super().decode(packed)
+
+
+def layer_windows(model: torch.nn.Module, input_shape, codec: _Spectral, *, types=None) -> list[dict]:
+    """The windows W a spectral codec keeps for each layer input of `model`, in call order.
+
+    One no-grad eval-mode forward of a zero batch of 1 records the input shape of every module
+    of `types` (default `freqact.engine.DEFAULT_TYPES`, the modules whose input the engine sends to
+    the codec); nothing in the model changes. For the run's config or metrics: with
+    rule="official" ResNet-20 at ratio 0.2 gives W = 7, 4, 2 on its 32, 16, 8 maps.
+
+    Args:
+        model: the network.
+        input_shape: one sample's shape, e.g. (3, 32, 32).
+        codec: an `lfc` or `hfc` codec (its ratio and window_rule are used).
+        types: module types to report (a tuple of classes).
+
+    Returns:
+        [{"layer", "type", "shape": list, "windows": list | None}], windows None where the codec
+        declines the input (kept exactly, e.g. the classifier's (N, F)).
+
+    Raises:
+        TypeError: if codec is not `lfc`/`hfc`.
+    """
+    if not isinstance(codec, _Spectral):
+        raise TypeError(f"codec: expected an lfc or hfc codec, got {type(codec).__name__}")
+    if types is None:
+        from freqact.engine import DEFAULT_TYPES  # the engine imports the codecs
+
+        types = DEFAULT_TYPES
+    rows: list[dict] = []
+
+    def hook_for(name):
+        def hook(module, args):
+            x = args[0]
+            windows = list(codec.windows(x.shape)) if codec.accepts(x) else None
+            rows.append({"layer": name, "type": type(module).__name__, "shape": list(x.shape),
+                         "windows": windows})
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(hook_for(name))
+               for name, m in model.named_modules() if isinstance(m, types)]
+    was_training = model.training
+    param = next(model.parameters(), None)
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(torch.zeros((1, *input_shape), device=None if param is None else param.device))
+    finally:
+        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+    return rows
