@@ -98,12 +98,19 @@ def _add_analysis_arguments(parser: argparse.ArgumentParser, images: int) -> Non
     parser.add_argument("--out", default=None, help="output folder (default RUN/analysis)")
 
 
+def _add_window_rule_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--window-rule", default="nearest", choices=("nearest", "official"),
+                        help="how W/N becomes W: r*N rounded half up, or the DIVISION code's "
+                             "round(r*N + 0.5) (default %(default)s)")
+
+
 def _add_lambdas_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoints", nargs="+", metavar="RUN_DIR_OR_CKPT",
                         help="checkpoints, or run directories (all their ckpt/epoch-*.pt)")
     parser.add_argument("--ratio", type=float, default=0.1, help="kept fraction W/N (default %(default)s)")
     parser.add_argument("--layers", default="blocks", choices=("blocks", "convs", "all"),
                         help="block outputs (Fig. 4), conv/linear inputs, or both (default %(default)s)")
+    _add_window_rule_argument(parser)
     _add_analysis_arguments(parser, images=512)
 
 
@@ -111,7 +118,7 @@ def _lambdas(args: argparse.Namespace) -> int:
     from freqact import plots
     from freqact.analysis import common, lambdas
 
-    rows = lambdas.from_checkpoints(args.checkpoints, ratio=args.ratio, layers=args.layers,
+    rows = lambdas.from_checkpoints(args.checkpoints, ratio=args.ratio, layers=args.layers, rule=args.window_rule,
                                     images=args.images, data_dir=args.data_dir, device=args.device)
     out = Path(args.out) if args.out else common.default_out_dir(Path(rows[0]["checkpoint"]))
     summary = lambdas.summarize(rows)
@@ -129,9 +136,7 @@ def _add_theorem31_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoints", nargs="+", metavar="RUN_DIR_OR_CKPT",
                         help="checkpoints, or run directories (all their ckpt/epoch-*.pt)")
     parser.add_argument("--ratio", type=float, default=0.1, help="kept fraction W/N (default %(default)s)")
-    parser.add_argument("--window-rule", default="nearest", choices=("nearest", "official"),
-                        help="how W/N becomes W: round half up, or the DIVISION code's "
-                             "round(r*N + 0.5) (default %(default)s)")
+    _add_window_rule_argument(parser)
     parser.add_argument("--no-end-to-end", dest="end_to_end", action="store_false",
                         help="skip the per-layer errors with the whole network in LFC-ACT / HFC-ACT")
     _add_analysis_arguments(parser, images=128)

@@ -101,10 +101,28 @@ def theorem31_figure(rows: Sequence[dict], stem: str | os.PathLike, *,
     last = rows[-1].get("checkpoint")
     rows = [r for r in rows if r.get("checkpoint") == last]
     layers = [r["layer"] for r in rows]
-    pos = np.arange(len(layers))
     panels = 3 + bool(fidelity)
     fig = Figure(figsize=(max(6.0, 0.3 * len(layers) + 2), 3.0 * panels))
-    bound_ax, tight_ax, ratio_ax, *rest = fig.subplots(panels, 1, squeeze=False)[:, 0]
+    axes = fig.subplots(panels, 1, squeeze=False)[:, 0]
+    _theorem_layer_panels(axes[:3], rows)
+    for ax in axes[:3]:
+        ax.set_yscale("log", nonpositive="mask")
+        _layer_axis(ax, layers)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if fidelity:
+        _fidelity_panel(axes[3], fidelity)
+    fig.tight_layout()
+    return _save(fig, stem)
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else np.nan
+
+
+def _theorem_layer_panels(axes, rows: Sequence[dict]) -> None:
+    """Panels (a)-(c) of `theorem31_figure` on three axes."""
+    bound_ax, tight_ax, ratio_ax = axes
+    pos = np.arange(len(rows))
     for column, color, label in (("err_L", _LOW, "err^L (LFC cached)"), ("err_H", _HIGH, "err^H (HFC cached)")):
         bound_ax.plot(pos, [r[column] for r in rows], "o", color=color, label=label)
     bound_ax.plot(pos, [r["GEB_L"] for r in rows], "_", color=_LOW, markersize=14, label="GEB^L = c‖∇y‖λ^H")
@@ -112,31 +130,28 @@ def theorem31_figure(rows: Sequence[dict], stem: str | os.PathLike, *,
     bound_ax.set_ylabel("‖∇̂W − ∇W‖_F")
     bound_ax.set_title("(a) weight-gradient error of one layer's cached input vs its bound")
     for band, color in (("L", _LOW), ("H", _HIGH)):
-        tight = [r[f"err_{band}"] / r[f"GEB_{band}"] if r[f"GEB_{band}"] > 0 else np.nan for r in rows]
+        tight = [_ratio(r[f"err_{band}"], r[f"GEB_{band}"]) for r in rows]
         tight_ax.plot(pos, tight, "o", color=color, label=f"err^{band} / GEB^{band}")
     tight_ax.axhline(1.0, color="gray", linewidth=0.8, label="bound attained")
     tight_ax.set_ylabel("err / GEB")
     tight_ax.set_title("(b) tightness of the bound")
-    share = [r["err_L"] / r["err_H"] if r["err_H"] > 0 else np.nan for r in rows]
-    ratio_ax.plot(pos, share, "o", color="tab:green", label="err^L / err^H")
+    ratio_ax.plot(pos, [_ratio(r["err_L"], r["err_H"]) for r in rows], "o", color="tab:green",
+                  label="err^L / err^H")
     ratio_ax.axhline(1.0, color="gray", linewidth=0.8)
     ratio_ax.set_ylabel("err^L / err^H")
     ratio_ax.set_title("(c) LFC- vs HFC-cached input, measured (< 1: LFC better)")
-    for ax in (bound_ax, tight_ax, ratio_ax):
-        ax.set_yscale("log", nonpositive="mask")
-        _layer_axis(ax, layers)
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    if fidelity:
-        ax = rest[0]
-        epochs = [f.get("epoch", i) for i, f in enumerate(fidelity)]
-        ax.plot(epochs, [f["cos_L"] for f in fidelity], "o-", color=_LOW, label="LFC-ACT")
-        ax.plot(epochs, [f["cos_H"] for f in fidelity], "o-", color=_HIGH, label="HFC-ACT")
-        ax.set_xlabel("epoch")
-        ax.set_ylabel("cos(∇̂θ, ∇θ)")
-        ax.set_title("(d) whole-network gradient cosine with the exact gradient")
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    return _save(fig, stem)
+
+
+def _fidelity_panel(ax, fidelity: Sequence[dict]) -> None:
+    """Panel (d) of `theorem31_figure`: whole-network gradient cosine per epoch."""
+    epochs = [f.get("epoch", i) for i, f in enumerate(fidelity)]
+    ax.plot(epochs, [f["cos_L"] for f in fidelity], "o-", color=_LOW, label="LFC-ACT")
+    ax.plot(epochs, [f["cos_H"] for f in fidelity], "o-", color=_HIGH, label="HFC-ACT")
+    ax.set_xticks(epochs)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("cos(∇̂θ, ∇θ)")
+    ax.set_title("(d) whole-network gradient cosine with the exact gradient")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
 def pooling_figure(rows: Sequence[dict], stem: str | os.PathLike) -> list[Path]:

@@ -405,7 +405,7 @@ def test_official_rule_ties_round_to_even_and_stays_in_range():
 
 # ----------------------------------------------------------------- fused C path (cpu_dct)
 
-from freqact.kernels import cpu_dct  # noqa: E402
+from freqact.kernels import cpu_dct
 
 needs_c = pytest.mark.skipif(not cpu_dct.available(), reason=f"C DCT kernels: {cpu_dct.unavailable_reason()}")
 EDGE = (1, 7, 8, 33)
