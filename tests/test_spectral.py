@@ -1,4 +1,5 @@
-"""The spectral codecs' settings: window rule, declining (N, F) inputs, Q-bit quantised HFC, and
+"""The spectral codecs' settings: window rule, declining (N, F) inputs, Q-bit quantised HFC
+(`hfc-quant`), and
 the per-layer windows report."""
 from __future__ import annotations
 
@@ -41,12 +42,13 @@ def test_bad_window_rule_and_bits():
     with pytest.raises(ValueError, match="window_rule"):
         codecs.get("lfc", ratio=0.2, window_rule="ceil")
     with pytest.raises(ValueError, match="bits"):
-        codecs.get("hfc", ratio=0.2, bits=3)
-    with pytest.raises(TypeError, match="bits"):
-        codecs.get("lfc", ratio=0.2, bits=2)  # only hfc quantises
+        codecs.get("hfc-quant", ratio=0.2, bits=3)
+    for name in ("lfc", "hfc"):  # exact coefficients; only hfc-quant quantises
+        with pytest.raises(TypeError, match="bits"):
+            codecs.get(name, ratio=0.2, bits=2)
 
 
-@pytest.mark.parametrize("name", ["lfc", "hfc"])
+@pytest.mark.parametrize("name", ["lfc", "hfc", "hfc-quant"])
 def test_spectral_codecs_decline_feature_vectors_and_the_engine_keeps_them(name):
     codec = codecs.get(name, ratio=0.25)
     assert not codec.accepts(torch.zeros(4, 16)) and codec.accepts(torch.zeros(4, 2, 16))
@@ -70,7 +72,7 @@ def test_quantised_hfc_is_unbiased_and_sized_as_documented():
     torch.manual_seed(3)
     draws, bits = 1000, 2
     x = torch.randn(1, 3, 8, 12)
-    codec = codecs.get("hfc", ratio=0.25, bits=bits)
+    codec = codecs.get("hfc-quant", ratio=0.25, bits=bits)
     packed = codec.encode(x.expand(draws, -1, -1, -1).contiguous())
     assert isinstance(packed, codecs.DivisionPacked) and packed.lfc is None
     assert packed.nbytes == draws * 3 * (math.ceil(bits * 8 * 12 / 8) + 4)
@@ -85,7 +87,7 @@ def test_quantised_hfc_is_unbiased_and_sized_as_documented():
 
 def test_quantised_hfc_keeps_the_input_dtype():
     x = torch.randn(2, 3, 8, 8).to(torch.bfloat16)
-    codec = codecs.get("hfc", ratio=0.5, bits=4)
+    codec = codecs.get("hfc-quant", ratio=0.5, bits=4)
     assert codec.decode(codec.encode(x)).dtype == torch.bfloat16
 
 

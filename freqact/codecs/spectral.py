@@ -6,8 +6,8 @@ spatial dims, and the cache holds only the coefficients that
 `freqact.dct.lowpass_mask(S, ratio, rule=window_rule)` keeps (`lfc`: the top-left W_1 x ... x W_d
 corner) or drops (`hfc`: the complement, stored as d disjoint boxes). Decode puts them back in a
 zero spectrum and applies the inverse DCT, so decode(encode(x)) is the exact low-pass / high-pass
-part of x. `hfc` with `bits=Q` instead stores that high-pass part in the spatial domain, Q-bit
-quantised per map with DIVISION's unbiased quantiser (the official code's `rm_lfc` HFC-ACT path).
+part of x. `hfc-quant` instead stores that high-pass part in the spatial domain, Q-bit quantised
+per map with DIVISION's unbiased quantiser (the official code's `rm_lfc` HFC-ACT path).
 
 Only tensors with a spatial or sequence axis have frequencies: `accepts(x)` is False for rank-2
 (N, F) inputs (a Linear layer on features; the official code never converts the classifier), and
@@ -131,37 +131,42 @@ class HighFrequency(_Spectral):
     """HFC-ACT: cache what the low-pass mask drops; decode is the high-pass part of x (all zeros
     at ratio=1, where nothing is stored). Declines (N, F) tensors (see the module docstring).
 
-    With `bits=Q` the high-pass part x - iDCT(DCT(x) * M) is stored in the spatial domain as Q-bit
-    codes per map (DIVISION's quantiser: bf16 min and step per map, stochastic rounding, unbiased;
-    a `DivisionPacked` without block means), as the official code's HFC-ACT (`rm_lfc`) did with
-    Q = 2. Per map of P elements that is ceil(Q * P / 8) + 4 bytes.
-
     Args:
         ratio: the low-pass mask's fraction W/N per spatial axis, in (0, 1].
         window_rule: "nearest" or "official", as for `lfc`.
-        bits: None (default): exact coefficients; else Q in {1, 2, 4, 8}.
     """
 
     _high = True
 
-    def __init__(self, ratio: float, window_rule: str = "nearest", bits: int | None = None):
-        super().__init__(ratio, window_rule)
-        self.bits = None if bits is None else check_bits(bits)
 
-    def encode(self, x: torch.Tensor) -> SpectralPacked | DivisionPacked:
-        if self.bits is None:
-            return super().encode(x)
+@register("hfc-quant")
+class QuantizedHighFrequency(_Spectral):
+    """HFC-ACT as the official code's `rm_lfc` path ran it: the high-pass part x - iDCT(DCT(x) * M)
+    stored in the spatial domain as Q-bit codes per map (DIVISION's quantiser: bf16 min and step
+    per map, stochastic rounding, unbiased; a `DivisionPacked` without block means). Per map of P
+    elements that is ceil(Q * P / 8) + 4 bytes. Declines (N, F) tensors like `hfc`.
+
+    Args:
+        ratio: the low-pass mask's fraction W/N per spatial axis, in (0, 1].
+        window_rule: "nearest" or "official", as for `lfc`.
+        bits: Q, one of 1, 2, 4, 8 (the official run used 2).
+    """
+
+    _high = True
+
+    def __init__(self, ratio: float, window_rule: str = "nearest", bits: int = 2):
+        super().__init__(ratio, window_rule)
+        self.bits = check_bits(bits)
+
+    def encode(self, x: torch.Tensor) -> DivisionPacked:
         _validate.floating_tensor("x", x)
         with torch.no_grad():
-            maps = as_maps(x)
-            windows = self.windows(x.shape)
-            high = maps - dct.lowpass_synthesis(dct.lowpass_coefficients(maps, windows), maps.shape[2:])
-            return kernels.quantize_encode(high.reshape(x.shape), self.bits)
+            maps = as_maps(x).float()
+            low = dct.lowpass_synthesis(dct.lowpass_coefficients(maps, self.windows(x.shape)), maps.shape[2:])
+            return kernels.quantize_encode((maps - low).reshape(x.shape).to(x.dtype), self.bits)
 
-    def decode(self, packed: SpectralPacked | DivisionPacked) -> torch.Tensor:
-        if isinstance(packed, DivisionPacked):
-            return kernels.division_decode(packed)
-        return super().decode(packed)
+    def decode(self, packed: DivisionPacked) -> torch.Tensor:
+        return kernels.division_decode(packed)
 
 
 def layer_windows(model: torch.nn.Module, input_shape, codec: _Spectral, *, types=None) -> list[dict]:
