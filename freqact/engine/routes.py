@@ -192,7 +192,8 @@ def _codec(site: Site, saved: Saved) -> Route | None:
     # The input itself or a view of it, or its autocast copy (a cast: another dtype).
     # (Parameters and their copies never get here.)
     if t.dim() >= 2 and (saved.is_input or (t.dtype != saved.input.dtype and saved.same_size)):
-        return site.routes.codec
+        # A codec may decline a tensor (lfc/hfc: no spatial or sequence axis): it is then kept.
+        return site.routes.codec if site.routes.codec.codec.accepts(t) else None
     return None
 
 
