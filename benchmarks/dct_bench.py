@@ -1,22 +1,27 @@
 """Time `freqact.dct` against `scipy.fft.dctn` and (when installed) `torch_dct.dct_2d`.
 
-2D orthonormal DCT-II of float32 activation batches, all methods side by side in one run. Prints a
-table (median time, freqact's speed-up over each method, max relative error against a float64
-scipy oracle, rel. error = max|a - b| / max|b|) and writes benchmarks/results/dct-<device>.json.
+2D orthonormal DCT-II of float32 activation batches, all methods side by side in one run:
+`freqact` (what `freqact.dct.dct` runs: the fused C kernels on the CPU when no gradient is needed),
+`freqact-matmul` (its matmul reference path, FREQACT_KERNELS=torch; the path autograd uses), scipy
+and torch-dct. Prints a table (median time, freqact's speed-up over each method, max relative
+error against a float64 scipy oracle, rel. error = max|a - b| / max|b|) and writes
+<out>/dct-<device>[-<N>thread].json (default out: benchmarks/results).
 
     python -m benchmarks.dct_bench                # CPU
     python -m benchmarks.dct_bench --device cuda  # freqact/torch-dct on the GPU, scipy on the CPU
 
 By default scipy uses every core (workers=-1) and torch its default thread count; `--threads N`
 gives both N threads (`--threads 1` compares the algorithms when other jobs share the cores).
+The issue's target shape is the first one, (128, 64, 32, 32), with `--threads 2`.
 torch-dct is optional (`pip install torch-dct`), never a freqact dependency.
 """
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 from pathlib import Path
 
-import argparse
 import importlib.metadata
 import importlib.util
 from typing import Callable
@@ -35,11 +40,25 @@ from freqact.dct import dct
 SHAPES = ((128, 64, 32, 32), (32, 64, 56, 56))
 
 
+def _matmul_reference(x: torch.Tensor) -> torch.Tensor:
+    """freqact's matmul path (the reference and the autograd path), with the C kernels off."""
+    before = os.environ.get("FREQACT_KERNELS")
+    os.environ["FREQACT_KERNELS"] = "torch"
+    try:
+        return dct(x, dims=2)
+    finally:
+        if before is None:
+            del os.environ["FREQACT_KERNELS"]
+        else:
+            os.environ["FREQACT_KERNELS"] = before
+
+
 def _methods(x: torch.Tensor, workers: int) -> dict[str, Callable[[], torch.Tensor]]:
     """name -> a call returning the 2D DCT of x (as a tensor) with that implementation."""
     x_np = x.cpu().numpy()
     methods = {
         "freqact": lambda: dct(x, dims=2),
+        "freqact-matmul": lambda: _matmul_reference(x),
         "scipy": lambda: torch.from_numpy(
             scipy.fft.dctn(x_np, type=2, norm="ortho", axes=(-2, -1), workers=workers)
         ),
@@ -104,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch and scipy threads")
+    parser.add_argument("--out", default=None, help="folder of the JSON results (default benchmarks/results)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device available")
@@ -133,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     name = f"dct-{args.device}" + (f"-{args.threads}thread" if args.threads else "")
-    path = write_results(name, {"settings": settings, "rows": rows}, device=args.device)
+    path = write_results(name, {"settings": settings, "rows": rows}, device=args.device,
+                         directory=None if args.out is None else Path(args.out))
     print(f"wrote {path}")
     return 0
 

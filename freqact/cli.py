@@ -154,12 +154,21 @@ def _add_analysis_arguments(parser: argparse.ArgumentParser, images: int) -> Non
     parser.add_argument("--out", default=None, help="output folder (default RUN/analysis)")
 
 
+def _add_window_rule_argument(parser: argparse.ArgumentParser) -> None:
+    from freqact.codecs.settings import WINDOW_RULE
+
+    parser.add_argument("--window-rule", default=WINDOW_RULE.default, choices=WINDOW_RULE.choices,
+                        help="how W/N becomes W: r*N rounded half up, or the DIVISION code's "
+                             "round(r*N + 0.5) (default %(default)s)")
+
+
 def _add_lambdas_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoints", nargs="+", metavar="RUN_DIR_OR_CKPT",
                         help="checkpoints, or run directories (all their ckpt/epoch-*.pt)")
     parser.add_argument("--ratio", type=float, default=0.1, help="kept fraction W/N (default %(default)s)")
     parser.add_argument("--layers", default="blocks", choices=("blocks", "convs", "all"),
                         help="block outputs (Fig. 4), conv/linear inputs, or both (default %(default)s)")
+    _add_window_rule_argument(parser)
     _add_analysis_arguments(parser, images=512)
 
 
@@ -167,7 +176,7 @@ def _lambdas(args: argparse.Namespace) -> int:
     from freqact import plots
     from freqact.analysis import common, lambdas
 
-    rows = lambdas.from_checkpoints(args.checkpoints, ratio=args.ratio, layers=args.layers,
+    rows = lambdas.from_checkpoints(args.checkpoints, ratio=args.ratio, layers=args.layers, rule=args.window_rule,
                                     images=args.images, data_dir=args.data_dir, device=args.device)
     out = Path(args.out) if args.out else common.default_out_dir(Path(rows[0]["checkpoint"]))
     summary = lambdas.summarize(rows)
@@ -182,26 +191,33 @@ def _lambdas(args: argparse.Namespace) -> int:
 
 
 def _add_theorem31_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="a checkpoint written by `freqact train`")
+    parser.add_argument("checkpoints", nargs="+", metavar="RUN_DIR_OR_CKPT",
+                        help="checkpoints, or run directories (all their ckpt/epoch-*.pt)")
     parser.add_argument("--ratio", type=float, default=0.1, help="kept fraction W/N (default %(default)s)")
+    _add_window_rule_argument(parser)
     parser.add_argument("--no-end-to-end", dest="end_to_end", action="store_false",
-                        help="skip the whole-network LFC-ACT / HFC-ACT passes")
+                        help="skip the per-layer errors with the whole network in LFC-ACT / HFC-ACT")
     _add_analysis_arguments(parser, images=128)
 
 
 def _theorem31(args: argparse.Namespace) -> int:
-    from freqact import checkpoint, plots
+    from freqact import plots
     from freqact.analysis import common, theorem31
 
-    model, ckpt = checkpoint.load_model(args.checkpoint, args.device)
-    x, y = common.eval_batch(model, ckpt["config"], args.images, args.data_dir, args.device)
-    rows = theorem31.measure(model, x, y, ratio=args.ratio, end_to_end=args.end_to_end)
-    out = Path(args.out) if args.out else common.default_out_dir(Path(args.checkpoint))
-    written = [common.write_csv(rows, out / "theorem31.csv"), *plots.theorem31_figure(rows, out / "theorem31")]
-    s = theorem31.summarize(rows)
-    print(f"{args.checkpoint} (epoch {ckpt['epoch']}): bound held in {s['bound_holds']}/{s['layers']} layers; "
-          f"err_L < err_H in {s['err_L_lt_err_H']}, lam_L > lam_H in {s['lam_L_gt_lam_H']}, "
-          f"orderings agreed in {s['orderings_agree']}/{s['layers']}")
+    rows, fidelity = theorem31.from_checkpoints(
+        args.checkpoints, ratio=args.ratio, rule=args.window_rule, images=args.images,
+        end_to_end=args.end_to_end, data_dir=args.data_dir, device=args.device)
+    out = Path(args.out) if args.out else common.default_out_dir(Path(fidelity[0]["checkpoint"]))
+    written = [common.write_csv(rows, out / "theorem31.csv"),
+               common.write_csv(fidelity, out / "theorem31_fidelity.csv"),
+               *plots.theorem31_figure(rows, out / "theorem31", fidelity=fidelity)]
+    for f in fidelity:
+        s = theorem31.summarize([r for r in rows if r["checkpoint"] == f["checkpoint"]])
+        print(f"{f['checkpoint']} (epoch {f['epoch']}): err <= GEB held in {s['bound_holds']}/{s['layers']} "
+              f"conv layers; tightness err/GEB median {s['median_tightness_L'] or 0:.3g} (LFC cached), "
+              f"{s['median_tightness_H'] or 0:.3g} (HFC cached); err_L < err_H in "
+              f"{s['err_L_lt_err_H']}/{s['layers']}; whole-network gradient cosine with exact: "
+              f"LFC-ACT {f['cos_L']:.4f}, HFC-ACT {f['cos_H']:.4f}")
     print("wrote " + ", ".join(map(str, written)))
     return 0
 
@@ -318,7 +334,8 @@ def _commands() -> list[Command]:
         ("eval", "Test loss and accuracy of a training checkpoint.", _add_eval_arguments, _eval),
         ("lambdas", "λ^L and λ^H per layer and instance from checkpoints (the paper's Fig. 4).",
          _add_lambdas_arguments, _lambdas),
-        ("theorem31", "Measured weight-gradient errors of LFC/HFC caching vs the Theorem 3.1 bounds.",
+        ("theorem31", "Theorem 3.1 per conv layer (bound holds, tightness, err^L vs err^H) and "
+                      "whole-network gradient fidelity of LFC-ACT/HFC-ACT, per checkpoint.",
          _add_theorem31_arguments, _theorem31),
         ("pooling", "DIVISION's block-mean LFC vs the DCT low-pass on real activation maps.",
          _add_pooling_arguments, _pooling),

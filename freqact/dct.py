@@ -8,6 +8,12 @@ Every transform here is a separable linear map: one small (N x N) matrix applied
 transformed axis. The matrices are built once per (size, dtype, device) in float64 and cached; at
 activation sizes (N <= 224) these matmuls beat FFT-based DCTs. float16/bfloat16 inputs are computed
 in float32 (their own precision would lose ~3 digits per axis) and cast back.
+
+Fast path: float32 (and half) CPU work over the last 1 or 2 dims that needs no gradient (no input
+requires grad, or grad mode is off: inside the codecs, analyses under no_grad) runs in the fused C
+kernels of `freqact.kernels.cpu_dct` (per map, in cache, even/odd symmetry of the basis); the
+matmul path here is the reference they are tested against and serves autograd, float64, 3D and
+CUDA. FREQACT_KERNELS=torch switches the fast path off.
 """
 from __future__ import annotations
 
@@ -18,12 +24,17 @@ from typing import Sequence
 import torch
 
 from freqact import _validate
+from freqact.kernels import cpu_dct
 
 __all__ = [
     "dct",
     "idct",
+    "WINDOW_RULES",
+    "windows",
     "lowpass_mask",
     "highpass_mask",
+    "lowpass_coefficients",
+    "lowpass_synthesis",
     "split",
     "lowpass",
     "highpass",
@@ -33,6 +44,9 @@ __all__ = [
 ]
 
 _REDUCTIONS = ("instance", "channel", "all")
+
+WINDOW_RULES = ("nearest", "official")
+"""How a ratio r becomes the kept window W of a length-N axis (see `windows`)."""
 
 # On the CPU the maps are transformed a chunk at a time so that the intermediate results of the
 # per-axis stages live in bounded, reused buffers instead of a second activation-sized temporary:
@@ -149,6 +163,25 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
+def _fast(x: torch.Tensor, dims: int) -> bool:
+    """Whether the C kernels compute this transform (see the module docstring)."""
+    return (
+        x.device.type == "cpu"
+        and dims <= 2
+        and _compute_dtype(x) == torch.float32
+        and not (x.requires_grad and torch.is_grad_enabled())
+        and x.numel() > 0
+        and max(x.shape[x.dim() - dims :]) <= cpu_dct.MAX_SIZE
+        and cpu_dct.available()
+    )
+
+
+def _as_2d(x: torch.Tensor, dims: int) -> torch.Tensor:
+    """x in float32 with its last `dims` (1 or 2) dims as (h, w) maps; 1D data is h = 1."""
+    x = x.float()
+    return x.unsqueeze(-2) if dims == 1 else x
+
+
 def _separable(x: torch.Tensor, dims: int, matrix) -> torch.Tensor:
     """x's last `dims` axes transformed by matrix(axis, n, dtype, device), in x's compute dtype.
 
@@ -187,16 +220,21 @@ def _check_nonempty(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected a non-empty tensor for a norm, got shape {tuple(x.shape)}")
 
 
-def _windows(sizes: Sequence[int], ratio: object, window: object) -> list[int]:
-    """Kept low frequencies W per dim, from exactly one of `ratio` or `window` (see lowpass_mask)."""
+def _windows(sizes: Sequence[int], ratio: object, window: object, rule: object = "nearest") -> list[int]:
+    """Kept low frequencies W per dim, from exactly one of `ratio` or `window` (see `windows`)."""
     if (ratio is None) == (window is None):
         raise ValueError(
             f"ratio/window: expected exactly one of them, got ratio={ratio!r}, window={window!r}"
         )
+    _validate.choice("rule", rule, WINDOW_RULES)
     if window is not None:
         w = _validate.positive_int("window", window)
         return [min(w, n) for n in sizes]
     r = _validate.unit_ratio("ratio", ratio)
+    if rule == "official":
+        # The DIVISION code's rule, Python's round (ties to even) of r*N + 0.5, i.e. about
+        # ceil(r*N): W = 4/2/1 at r = 0.1 for N = 32/16/8, where "nearest" gives 3/2/1.
+        return [min(n, max(1, round(r * n + 0.5))) for n in sizes]
     # Round half up (not Python's half-to-even) so that a tie always keeps the larger window.
     return [min(n, max(1, math.floor(r * n + 0.5))) for n in sizes]
 
@@ -227,6 +265,8 @@ def dct(x: torch.Tensor, dims: int = 2) -> torch.Tensor:
         True
     """
     dims = _check_input("x", x, dims)
+    if _fast(x, dims):
+        return cpu_dct.dct2(_as_2d(x, dims)).view(x.shape).to(x.dtype)
     return _separable(x, dims, lambda _, n, dtype, device: _basis(n, dtype, device)).to(x.dtype)
 
 
@@ -244,8 +284,46 @@ def idct(X: torch.Tensor, dims: int = 2) -> torch.Tensor:
         TypeError/ValueError: as `dct`, naming `X`.
     """
     dims = _check_input("X", X, dims)
+    if _fast(X, dims):
+        return cpu_dct.dct2(_as_2d(X, dims), inverse=True).view(X.shape).to(X.dtype)
     # The inverse of an orthonormal D is D^T.
     return _separable(X, dims, lambda _, n, dtype, device: _basis(n, dtype, device).mT).to(X.dtype)
+
+
+def _check_shape(shape: object) -> list[int]:
+    if isinstance(shape, (tuple, list, torch.Size)) and 1 <= len(shape) <= 3:
+        return [_validate.positive_int("shape", n) for n in shape]
+    raise ValueError(f"shape: expected a sequence of 1 to 3 sizes, got {shape!r}")
+
+
+def windows(
+    shape: Sequence[int], ratio: float | None = None, *, window: int | None = None, rule: str = "nearest"
+) -> tuple[int, ...]:
+    """The kept window W_d of each frequency dim: the mask keeps indices < W_d in every dim.
+
+    Rules for a ratio r and a dim of size N (both clipped to 1 <= W <= N, so a mask is never empty
+    and r = 1 keeps everything):
+
+    - ``"nearest"`` (default): ``W = floor(r * N + 0.5)``, r*N rounded half up.
+    - ``"official"``: ``W = round(r * N + 0.5)`` with Python's round (ties to even), the rule of the
+      DIVISION authors' code; about ceil(r * N). ResNet-20's N = 32/16/8 give W = 4/2/1 at r = 0.1
+      and 7/4/2 at 0.2 ("nearest": 3/2/1 and 6/3/2).
+
+    With ``window=W`` the same W is used in every dim, clipped to the dim's size (rule unused).
+
+    Args:
+        shape: the frequency shape (N_1, ..., N_d), d in {1, 2, 3}, sizes >= 1.
+        ratio: kept fraction W/N per dim, in (0, 1]. Give exactly one of ratio and window.
+        window: integer W >= 1.
+        rule: "nearest" or "official" (`WINDOW_RULES`).
+
+    Returns:
+        (W_1, ..., W_d).
+
+    Raises:
+        TypeError/ValueError: naming `shape`, `ratio`, `window` or `rule`.
+    """
+    return tuple(_windows(_check_shape(shape), ratio, window, rule))
 
 
 def lowpass_mask(
@@ -253,32 +331,30 @@ def lowpass_mask(
     ratio: float | None = None,
     *,
     window: int | None = None,
+    rule: str = "nearest",
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """The paper's mask M: True on the top-left W x ... x W corner of the DCT coefficients.
+    """The paper's mask M: True on the top-left W_1 x ... x W_d corner of the DCT coefficients.
 
-    Rounding rule: ``W_d = max(1, floor(ratio * N_d + 0.5))`` per dim (round half up), so the mask
-    is never empty and ratio=1 keeps everything. With ``window=W`` the same W is used in every dim,
-    clipped to the dim's size (W >= N_d keeps the whole dim).
+    W_d from `windows(shape, ratio, window=window, rule=rule)`; the default rule rounds
+    ``ratio * N_d`` half up, at least 1.
 
     Args:
         shape: the frequency shape (N_1, ..., N_d), d in {1, 2, 3}, sizes >= 1.
         ratio: kept fraction W/N per dim, in (0, 1]. Give exactly one of ratio and window.
         window: integer W >= 1.
+        rule: "nearest" or "official" (see `windows`).
         device: where to build the mask (default CPU).
 
     Returns:
         Bool tensor of shape `shape`, True where the index is < W_d in every dim.
 
     Raises:
-        TypeError/ValueError: naming `shape`, `ratio` or `window`.
+        TypeError/ValueError: naming `shape`, `ratio`, `window` or `rule`.
     """
-    if isinstance(shape, (tuple, list)) and 1 <= len(shape) <= 3:
-        sizes = [_validate.positive_int("shape", n) for n in shape]
-    else:
-        raise ValueError(f"shape: expected a sequence of 1 to 3 sizes, got {shape!r}")
+    sizes = _check_shape(shape)
     mask = torch.zeros(sizes, dtype=torch.bool, device=device)
-    mask[tuple(slice(0, w) for w in _windows(sizes, ratio, window))] = True
+    mask[tuple(slice(0, w) for w in _windows(sizes, ratio, window, rule))] = True
     return mask
 
 
@@ -287,22 +363,92 @@ def highpass_mask(
     ratio: float | None = None,
     *,
     window: int | None = None,
+    rule: str = "nearest",
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """1 - M: the complement of `lowpass_mask` (same arguments and rounding rule)."""
-    return ~lowpass_mask(shape, ratio, window=window, device=device)
+    return ~lowpass_mask(shape, ratio, window=window, rule=rule, device=device)
 
 
-def _lowpass_compute(x: torch.Tensor, ratio, dims, window) -> torch.Tensor:
+def _check_windows(x: torch.Tensor, windows: object) -> tuple[int, ...]:
+    """`windows` as a tuple of 1-3 ints, one per trailing dim of x, each in [1, that dim]."""
+    if not isinstance(windows, (tuple, list)) or not 1 <= len(windows) <= min(3, x.dim()):
+        raise ValueError(f"windows: expected 1 to 3 window sizes, got {windows!r}")
+    sizes = x.shape[x.dim() - len(windows) :]
+    kept = tuple(_validate.positive_int("windows", w) for w in windows)
+    if any(w > n for w, n in zip(kept, sizes)):
+        raise ValueError(f"windows: expected sizes <= the dims {tuple(sizes)}, got {kept}")
+    return kept
+
+
+def lowpass_coefficients(x: torch.Tensor, windows: Sequence[int]) -> torch.Tensor:
+    """The kept corner DCT(x)[..., :W_1, ..., :W_d] (d = len(windows)), without the full spectrum.
+
+    Args:
+        x: real floating tensor, shape (*, N_1, ..., N_d).
+        windows: (W_1, ..., W_d), 1 <= W_i <= N_i (e.g. from `windows`).
+
+    Returns:
+        (*, W_1, ..., W_d) in x's dtype and device; differentiable.
+
+    Raises:
+        TypeError/ValueError: naming `x` or `windows`.
+    """
+    _validate.floating_tensor("x", x)
+    kept = _check_windows(x, windows)
+    dims = _check_input("x", x, len(kept))
+    if _fast(x, dims):
+        low = cpu_dct.dct_corner(_as_2d(x, dims), *((1,) * (2 - dims) + kept))
+        return low.view(*x.shape[: x.dim() - dims], *kept).to(x.dtype)
+    return dct(x, dims)[(...,) + tuple(slice(0, w) for w in kept)]
+
+
+def lowpass_synthesis(coeffs: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """The inverse DCT of corner coefficients placed in a zero spectrum of `sizes`.
+
+    Args:
+        coeffs: real floating tensor, shape (*, W_1, ..., W_d), d = len(sizes) in {1, 2, 3}.
+        sizes: (N_1, ..., N_d) with N_i >= W_i.
+
+    Returns:
+        (*, N_1, ..., N_d) in coeffs' dtype and device: lowpass(x) when coeffs come from
+        `lowpass_coefficients(x, ...)`. Differentiable.
+
+    Raises:
+        TypeError/ValueError: naming `coeffs` or `sizes`.
+    """
+    _validate.floating_tensor("coeffs", coeffs)
+    sizes = tuple(_check_shape(list(sizes) if isinstance(sizes, torch.Size) else sizes))
+    dims = _check_input("coeffs", coeffs, len(sizes))
+    kept = tuple(coeffs.shape[coeffs.dim() - dims :])
+    if any(w > n for w, n in zip(kept, sizes)):
+        raise ValueError(f"sizes: expected sizes >= the coefficients' {kept}, got {sizes}")
+    lead = coeffs.shape[: coeffs.dim() - dims]
+    if _fast(coeffs, dims):
+        out = cpu_dct.idct_corner(_as_2d(coeffs, dims), *((1,) * (2 - dims) + sizes))
+        return out.view(*lead, *sizes).to(coeffs.dtype)
+    pad = [p for w, n in zip(reversed(kept), reversed(sizes)) for p in (0, n - w)]
+    return idct(torch.nn.functional.pad(coeffs, pad), dims)
+
+
+def _lowpass_compute(x: torch.Tensor, ratio, dims, window, rule) -> torch.Tensor:
     """Low-pass part in x's compute dtype: one separable projection per axis (= iDCT(DCT(x) * M))."""
-    windows = _windows(x.shape[x.dim() - dims :], ratio, window)
+    kept = _windows(x.shape[x.dim() - dims :], ratio, window, rule)
+    if _fast(x, dims):
+        corner = cpu_dct.dct_corner(_as_2d(x, dims), *((1,) * (2 - dims) + tuple(kept)))
+        return cpu_dct.idct_corner(corner, *((1,) * (2 - dims) + x.shape[x.dim() - dims :])).view(x.shape)
     return _separable(
-        x, dims, lambda axis, n, dtype, device: _lowpass_projection(n, windows[axis], dtype, device)
+        x, dims, lambda axis, n, dtype, device: _lowpass_projection(n, kept[axis], dtype, device)
     )
 
 
 def split(
-    x: torch.Tensor, ratio: float | None = None, dims: int = 2, *, window: int | None = None
+    x: torch.Tensor,
+    ratio: float | None = None,
+    dims: int = 2,
+    *,
+    window: int | None = None,
+    rule: str = "nearest",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split x into low- and high-frequency components with the DCT mask M.
 
@@ -314,6 +460,7 @@ def split(
         ratio: kept fraction W/N per dim, in (0, 1] (rounding rule in `lowpass_mask`).
         dims: how many trailing dims carry frequencies: 1, 2 or 3.
         window: integer W instead of ratio.
+        rule: how ratio becomes W, "nearest" or "official" (see `windows`).
 
     Returns:
         (lfc, hfc), each shaped, typed and placed like x.
@@ -322,19 +469,21 @@ def split(
         TypeError/ValueError: naming `x`, `ratio`, `window` or `dims`.
     """
     dims = _check_input("x", x, dims)
-    low = _lowpass_compute(x, ratio, dims, window)
+    low = _lowpass_compute(x, ratio, dims, window, rule)
     return low.to(x.dtype), (x.to(low.dtype) - low).to(x.dtype)
 
 
-def lowpass(x: torch.Tensor, ratio: float | None = None, dims: int = 2, *, window: int | None = None):
+def lowpass(x: torch.Tensor, ratio: float | None = None, dims: int = 2, *, window: int | None = None,
+            rule: str = "nearest"):
     """The low-frequency component iDCT(DCT(x) * M); arguments as `split`. Shape of x."""
     dims = _check_input("x", x, dims)
-    return _lowpass_compute(x, ratio, dims, window).to(x.dtype)
+    return _lowpass_compute(x, ratio, dims, window, rule).to(x.dtype)
 
 
-def highpass(x: torch.Tensor, ratio: float | None = None, dims: int = 2, *, window: int | None = None):
+def highpass(x: torch.Tensor, ratio: float | None = None, dims: int = 2, *, window: int | None = None,
+             rule: str = "nearest"):
     """The high-frequency component iDCT(DCT(x) * (1 - M)); arguments as `split`. Shape of x."""
-    return split(x, ratio, dims, window=window)[1]
+    return split(x, ratio, dims, window=window, rule=rule)[1]
 
 
 def band_energy(
@@ -344,6 +493,7 @@ def band_energy(
     reduce: str = "instance",
     *,
     window: int | None = None,
+    rule: str = "nearest",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """λ^L = ‖DCT(x) * M‖_F and λ^H = ‖DCT(x) * (1 - M)‖_F (the paper's band norms).
 
@@ -357,6 +507,7 @@ def band_energy(
             "channel": per (sample, channel), shape (N, C) (needs rank >= dims + 2);
             "all": one norm over the whole tensor, shape ().
         window: integer W instead of ratio.
+        rule: how ratio becomes W, "nearest" or "official" (see `windows`).
 
     Returns:
         (lam_L, lam_H), float32 for half inputs, else x's dtype; differentiable.
@@ -373,8 +524,15 @@ def band_energy(
             f"x: reduce={reduce!r} with dims={dims} needs rank >= {dims + kept}, "
             f"got shape {tuple(x.shape)}"
         )
+    if _fast(x, dims):
+        kept_w = _windows(x.shape[x.dim() - dims :], ratio, window, rule)
+        low, high = cpu_dct.band_energy(_as_2d(x, dims), *((1,) * (2 - dims) + tuple(kept_w)))
+        summed = tuple(range(kept, x.dim() - dims))
+        if summed:  # sum(()) would reduce every dim
+            low, high = low.sum(summed), high.sum(summed)
+        return low.sqrt().to(torch.float32), high.sqrt().to(torch.float32)
     energy = dct(x.to(_compute_dtype(x)), dims).square()
-    mask = lowpass_mask(x.shape[x.dim() - dims :], ratio, window=window, device=x.device)
+    mask = lowpass_mask(x.shape[x.dim() - dims :], ratio, window=window, rule=rule, device=x.device)
     summed = tuple(range(kept, x.dim()))
     lam_low = energy.masked_fill(~mask, 0).sum(summed).sqrt()
     lam_high = energy.masked_fill(mask, 0).sum(summed).sqrt()

@@ -12,7 +12,7 @@ published ones come from one path. From the run directories (`config.json`, `met
 - `training`: test accuracy and training loss per epoch of every run (`metrics.jsonl`) and the
   activation memory each run's mode caches for one training batch (the paper's Fig. 3 b, c:
   LFC-ACT vs HFC-ACT vs normal, with DIVISION beside them).
-- `theorem31`: measured weight-gradient errors of LFC/HFC caching against the Theorem 3.1 bounds,
+- `theorem31`: per conv layer, weight-gradient errors of LFC/HFC caching against the Theorem 3.1 bounds,
   on the analysis run's last checkpoint (`analysis.theorem31.measure`).
 - `pooling`: DIVISION's block-mean LFC against the DCT low-pass on the same checkpoint's maps
   (`analysis.pooling.measure`; Theorem 4.1).
@@ -49,10 +49,10 @@ CAPTIONS = {
     "training": "Test accuracy and training loss per epoch of every run, and the activation memory "
                 "one training batch caches in each mode (plain PyTorch bytes as the outline): "
                 "LFC-ACT vs HFC-ACT vs normal training (the paper's Fig. 3 b, c), with DIVISION.",
-    "theorem31": "Per conv/linear layer of the analysis run's last checkpoint: the weight-gradient "
-                 "error when only that layer caches its input's LFC (err^L) or HFC (err^H), against "
-                 "the Theorem 3.1 bounds GEB^L, GEB^H; lower panel: the errors when the whole network "
-                 "caches LFC or HFC.",
+    "theorem31": "Theorem 3.1 per conv layer of the analysis run's last checkpoint: (a) the "
+                 "weight-gradient error when only that layer caches its input's LFC (err^L) or HFC "
+                 "(err^H), against the bounds GEB^L, GEB^H; (b) the bounds' tightness err/GEB; "
+                 "(c) err^L / err^H measured directly.",
     "pooling": "DIVISION's block-mean LFC against the DCT low-pass keeping W/N = 1/B, per activation "
                "map and block size B: their relative distance and the energy share each captures "
                "(Theorem 4.1: average pooling is a low-pass filter).",

@@ -79,43 +79,79 @@ def lambdas_figure(rows: Sequence[dict], stem: str | os.PathLike) -> list[Path]:
     return _save(fig, stem)
 
 
-def theorem31_figure(rows: Sequence[dict], stem: str | os.PathLike) -> list[Path]:
-    """Per layer: measured errors err^L, err^H against the bounds GEB^L, GEB^H (log scale); with
-    the end-to-end columns, a second panel with the whole-network LFC-ACT / HFC-ACT errors.
+def theorem31_figure(rows: Sequence[dict], stem: str | os.PathLike, *,
+                     fidelity: Sequence[dict] | None = None) -> list[Path]:
+    """Theorem 3.1 per conv layer, tested for what it claims (log scales):
+
+    (a) measured errors err^L, err^H against their bounds GEB^L, GEB^H (the bound holds when each
+    dot is at or below its dash); (b) tightness err/GEB (1 = the bound is attained); (c) err^L /
+    err^H measured directly (below 1: the LFC-cached input gives the better weight gradient); and,
+    with `fidelity`, (d) whole-network gradient cosine with the exact gradient per epoch.
+    With several checkpoints in `rows`, (a)-(c) show the last one.
 
     Args:
-        rows: `analysis.theorem31` rows.
+        rows: `analysis.theorem31.measure` rows (optionally with "checkpoint"/"epoch").
         stem: output path without suffix.
+        fidelity: `theorem31.gradient_fidelity` rows with "epoch", "cos_L", "cos_H".
 
     Returns:
         [stem.png, stem.pdf].
     """
     _require(rows, ("layer", "err_L", "err_H", "GEB_L", "GEB_H"), "theorem31")
+    last = rows[-1].get("checkpoint")
+    rows = [r for r in rows if r.get("checkpoint") == last]
     layers = [r["layer"] for r in rows]
-    pos = np.arange(len(layers))
-    end_to_end = "e2e_err_L" in rows[0]
-    fig = Figure(figsize=(max(6.0, 0.3 * len(layers) + 2), 3.4 * (1 + end_to_end)))
-    axes = fig.subplots(1 + end_to_end, 1, squeeze=False)[:, 0]
-    ax = axes[0]
-    for column, color, marker, label in (
-        ("err_L", _LOW, "o", "err^L (LFC cached)"),
-        ("err_H", _HIGH, "o", "err^H (HFC cached)"),
-    ):
-        ax.plot(pos, [r[column] for r in rows], marker, color=color, label=label)
-    ax.plot(pos, [r["GEB_L"] for r in rows], "_", color=_LOW, markersize=14, label="GEB^L = c‖∇y‖λ^H")
-    ax.plot(pos, [r["GEB_H"] for r in rows], "_", color=_HIGH, markersize=14, label="GEB^H = c‖∇y‖λ^L")
-    ax.set_title("one layer's cached input replaced")
-    if end_to_end:
-        axes[1].plot(pos, [r["e2e_err_L"] for r in rows], "o-", color=_LOW, label="LFC-ACT")
-        axes[1].plot(pos, [r["e2e_err_H"] for r in rows], "o-", color=_HIGH, label="HFC-ACT")
-        axes[1].set_title("whole network compressed")
-    for ax in axes:
+    panels = 3 + bool(fidelity)
+    fig = Figure(figsize=(max(6.0, 0.3 * len(layers) + 2), 3.0 * panels))
+    axes = fig.subplots(panels, 1, squeeze=False)[:, 0]
+    _theorem_layer_panels(axes[:3], rows)
+    for ax in axes[:3]:
         ax.set_yscale("log", nonpositive="mask")
-        ax.set_ylabel("‖∇̂W − ∇W‖_F")
         _layer_axis(ax, layers)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if fidelity:
+        _fidelity_panel(axes[3], fidelity)
     fig.tight_layout()
     return _save(fig, stem)
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else np.nan
+
+
+def _theorem_layer_panels(axes, rows: Sequence[dict]) -> None:
+    """Panels (a)-(c) of `theorem31_figure` on three axes."""
+    bound_ax, tight_ax, ratio_ax = axes
+    pos = np.arange(len(rows))
+    for column, color, label in (("err_L", _LOW, "err^L (LFC cached)"), ("err_H", _HIGH, "err^H (HFC cached)")):
+        bound_ax.plot(pos, [r[column] for r in rows], "o", color=color, label=label)
+    bound_ax.plot(pos, [r["GEB_L"] for r in rows], "_", color=_LOW, markersize=14, label="GEB^L = c‖∇y‖λ^H")
+    bound_ax.plot(pos, [r["GEB_H"] for r in rows], "_", color=_HIGH, markersize=14, label="GEB^H = c‖∇y‖λ^L")
+    bound_ax.set_ylabel("‖∇̂W − ∇W‖_F")
+    bound_ax.set_title("(a) weight-gradient error of one layer's cached input vs its bound")
+    for band, color in (("L", _LOW), ("H", _HIGH)):
+        tight = [_ratio(r[f"err_{band}"], r[f"GEB_{band}"]) for r in rows]
+        tight_ax.plot(pos, tight, "o", color=color, label=f"err^{band} / GEB^{band}")
+    tight_ax.axhline(1.0, color="gray", linewidth=0.8, label="bound attained")
+    tight_ax.set_ylabel("err / GEB")
+    tight_ax.set_title("(b) tightness of the bound")
+    ratio_ax.plot(pos, [_ratio(r["err_L"], r["err_H"]) for r in rows], "o", color="tab:green",
+                  label="err^L / err^H")
+    ratio_ax.axhline(1.0, color="gray", linewidth=0.8)
+    ratio_ax.set_ylabel("err^L / err^H")
+    ratio_ax.set_title("(c) LFC- vs HFC-cached input, measured (< 1: LFC better)")
+
+
+def _fidelity_panel(ax, fidelity: Sequence[dict]) -> None:
+    """Panel (d) of `theorem31_figure`: whole-network gradient cosine per epoch."""
+    epochs = [f.get("epoch", i) for i, f in enumerate(fidelity)]
+    ax.plot(epochs, [f["cos_L"] for f in fidelity], "o-", color=_LOW, label="LFC-ACT")
+    ax.plot(epochs, [f["cos_H"] for f in fidelity], "o-", color=_HIGH, label="HFC-ACT")
+    ax.set_xticks(epochs)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("cos(∇̂θ, ∇θ)")
+    ax.set_title("(d) whole-network gradient cosine with the exact gradient")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
 def pooling_figure(rows: Sequence[dict], stem: str | os.PathLike) -> list[Path]:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import freqact
 from freqact import checkpoint, cli, dct, models
 from freqact.analysis import common, lambdas, pooling, theorem31
 
@@ -219,7 +220,8 @@ def test_measure_errors_match_an_independent_autograd_computation():
     state = {k: v.clone() for k, v in net.state_dict().items()}
     rows = theorem31.measure(net, x, y, ratio=0.25, end_to_end=False)
     assert all(torch.equal(v, net.state_dict()[k]) for k, v in state.items())  # BN stats restored
-    assert [r["layer"] for r in rows] == ["0", "3", "5", "7"]
+    # conv layers only: the classifier Linear ("7") is outside the conv theorem
+    assert [r["layer"] for r in rows] == ["0", "3", "5"]
 
     def weight_grads(layer=None, keep=None):
         handle = _replace_cached_input(net, layer, keep) if layer else None
@@ -238,8 +240,12 @@ def test_measure_errors_match_an_independent_autograd_computation():
         assert row["err_H"] == pytest.approx(err_h, rel=1e-9)
         assert row["bound_holds"] and row["err_L"] <= row["GEB_L"] and row["err_H"] <= row["GEB_H"]
         assert row["err_L_lt_err_H"] == (row["err_L"] < row["err_H"])
+        assert row["tightness_L"] == pytest.approx(row["err_L"] / row["GEB_L"], rel=1e-12)
+        assert 0 < row["tightness_H"] <= 1
     summary = theorem31.summarize(rows)
-    assert summary["layers"] == 4 and summary["bound_holds"] == 4
+    assert summary["layers"] == 3 and summary["bound_holds"] == 3 == summary["bound_H_holds"]
+    assert summary["max_tightness_L"] == max(r["tightness_L"] for r in rows)
+    assert summary["err_L_lt_err_H"] == sum(r["err_L"] < r["err_H"] for r in rows)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -255,8 +261,26 @@ def test_bound_never_violated_on_random_networks(seed):
         nn.Linear(72, 3),
     ).double()
     x = torch.randn(3, 4, 12, 12, dtype=torch.float64) * torch.rand(3, 4, 1, 1, dtype=torch.float64)
-    rows = theorem31.measure(net, x, torch.randint(0, 3, (3,)), ratio=0.1 + 0.2 * seed, end_to_end=False)
+    rule = ("nearest", "official")[seed % 2]
+    rows = theorem31.measure(net, x, torch.randint(0, 3, (3,)), ratio=0.1 + 0.2 * seed, rule=rule, end_to_end=False)
+    assert len(rows) == 2 and all(r["kind"] == "Conv2d" for r in rows)
+    # float64: no slack needed, err <= GEB for each band, and tightness is a fraction
     assert all(r["err_L"] <= r["GEB_L"] and r["err_H"] <= r["GEB_H"] for r in rows)
+    assert all(0 <= r[f"tightness_{b}"] <= 1 for r in rows for b in "LH" if r[f"tightness_{b}"] is not None)
+
+
+def test_bound_is_attained_and_tightness_is_one():
+    # A 1x1 conv on one channel (c = 1): G(z) = <∇y, z>. With ∇y parallel to x_H the
+    # Cauchy-Schwarz step is an equality, so err^L = ‖G(x_H)‖ = ‖∇y‖ λ^H = GEB^L.
+    conv = nn.Conv2d(1, 1, 1, bias=False).double()
+    net = nn.Sequential(conv)
+    x = torch.randn(1, 1, 1, 8, dtype=torch.float64)
+    # loss = <conv(x), v> with v = x_H / w gives ∇y = v.
+    high = dct.split(x, 0.25)[1]
+    w = float(conv.weight.detach())
+    rows = theorem31.measure(net, x, high / w, ratio=0.25, end_to_end=False,
+                             loss_fn=lambda out, v: (out * v).sum())
+    assert rows[0]["tightness_L"] == pytest.approx(1.0, rel=1e-9)
 
 
 def test_end_to_end_keep_everything_is_exact():
@@ -266,6 +290,34 @@ def test_end_to_end_keep_everything_is_exact():
     for row in rows:
         assert row["lam_H"] <= 1e-5 * row["lam_L"] and row["bound_holds"]
         assert row["e2e_err_L"] <= 1e-4 * row["e2e_err_H"]  # LFC with W = N keeps every activation
+
+
+def test_gradient_fidelity_is_a_cosine_with_the_exact_gradient():
+    net = _tiny_net(torch.float32)
+    x, y = torch.randn(3, 3, 16, 16), torch.randint(0, 5, (3,))
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    full = theorem31.gradient_fidelity(net, x, y, ratio=1.0)
+    # W = N keeps every coefficient: LFC-ACT's gradient is the exact one up to float32 rounding
+    assert full["cos_L"] == pytest.approx(1.0, abs=1e-6) and full["rel_err_L"] <= 1e-4
+    low = theorem31.gradient_fidelity(net, x, y, ratio=0.25, rule="official")
+    for band in "LH":
+        assert -1.0 <= low[f"cos_{band}"] <= 1.0 and low[f"rel_err_{band}"] > 0
+    assert all(torch.equal(v, net.state_dict()[k]) for k, v in state.items())
+
+
+def test_gradient_fidelity_agrees_with_an_independent_computation():
+    net = _tiny_net(torch.float64)
+    x, y = torch.randn(2, 3, 16, 16, dtype=torch.float64), torch.randint(0, 5, (2,))
+    params = list(net.parameters())
+    with common.scratch_state(net, train=True):
+        g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(F.cross_entropy(net(x), y), params)])
+        with freqact.compress(net, "hfc", ratio=0.5):
+            loss = F.cross_entropy(net(x), y)
+        a = torch.cat([t.reshape(-1) for t in torch.autograd.grad(loss, params)])
+    got = theorem31.gradient_fidelity(net, x, y, ratio=0.5)
+    assert got["cos_H"] == pytest.approx(float(a @ g / (a.norm() * g.norm())), rel=1e-9)
+    assert got["rel_err_H"] == pytest.approx(float((a - g).norm() / g.norm()), rel=1e-9)
+    assert got["grad_norm"] == pytest.approx(float(g.norm()), rel=1e-12)
 
 
 def test_measure_refuses_shared_layers():
@@ -359,8 +411,13 @@ def test_cli_commands_end_to_end(tiny_run, tmp_path, capsys):
         table = list(csv.DictReader(f))
     assert len(table) == 2 * 9 * 3 and {r["epoch"] for r in table} == {"1", "2"}
     ckpt = str(tiny_run / "ckpt" / "epoch-0002.pt")
-    assert cli.main(["theorem31", ckpt, "--images", "2", "--out", str(tmp_path / "t31")]) == 0
-    assert "bound held in 22/22 layers" in capsys.readouterr().out
+    assert cli.main(["theorem31", ckpt, "--images", "2", "--window-rule", "official",
+                     "--out", str(tmp_path / "t31")]) == 0
+    printed = capsys.readouterr().out
+    assert "err <= GEB held in 21/21 conv layers" in printed and "gradient cosine with exact" in printed
+    with open(tmp_path / "t31" / "theorem31_fidelity.csv") as f:
+        fidelity = list(csv.DictReader(f))
+    assert len(fidelity) == 1 and -1 <= float(fidelity[0]["cos_L"]) <= 1
     assert cli.main(["pooling", ckpt, "--images", "2", "--blocks", "4", "8", "--out", str(tmp_path / "p")]) == 0
     for path in (tiny_run / "analysis" / "lambdas.pdf", tmp_path / "t31" / "theorem31.csv",
                  tmp_path / "p" / "pooling.png"):

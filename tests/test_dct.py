@@ -375,3 +375,128 @@ def test_cuda_matches_cpu():
     torch.testing.assert_close(lfc + hfc, xf, atol=1e-5, rtol=0)
     assert F.band_energy(xf, 0.5)[0].is_cuda and F.radial_spectrum(xf).is_cuda
     assert F._basis(9, torch.float32, xf.device) is F._basis(9, torch.float32, xf.device)
+
+
+# --------------------------------------------------------------------------- window rules
+
+
+@pytest.mark.parametrize("ratio,expected", [(0.1, (4, 2, 1)), (0.2, (7, 4, 2))])
+def test_official_window_rule_gives_the_issue_windows(ratio, expected):
+    # ResNet-20's maps are 32, 16 and 8 wide; the DIVISION code keeps round(r * N + 0.5).
+    assert tuple(F.windows((n,), ratio, rule="official")[0] for n in (32, 16, 8)) == expected
+
+
+@pytest.mark.parametrize("ratio,expected", [(0.1, (3, 2, 1)), (0.2, (6, 3, 2))])
+def test_nearest_window_rule_is_todays_rule(ratio, expected):
+    assert tuple(F.windows((n,), ratio)[0] for n in (32, 16, 8)) == expected
+
+
+def test_official_rule_ties_round_to_even_and_stays_in_range():
+    # r * N + 0.5 = 2.5 exactly (r = 0.25, N = 8): Python's round gives 2; 3.5 gives 4.
+    assert F.windows((8,), 0.25, rule="official") == (2,)
+    assert F.windows((12,), 0.25, rule="official") == (4,)
+    assert F.windows((7,), 1.0, rule="official") == (7,)  # round(7.5) = 8, clipped to N
+    assert F.windows((32,), 0.001, rule="official") == (1,)  # round(0.532) = 1; never empty
+    mask = F.lowpass_mask((32, 16), 0.1, rule="official")
+    assert mask.sum() == 4 * 2 and mask[:4, :2].all()
+    with pytest.raises(ValueError, match="rule"):
+        F.windows((8,), 0.5, rule="floor")
+
+
+# ----------------------------------------------------------------- fused C path (cpu_dct)
+
+from freqact.kernels import cpu_dct
+
+needs_c = pytest.mark.skipif(not cpu_dct.available(), reason=f"C DCT kernels: {cpu_dct.unavailable_reason()}")
+EDGE = (1, 7, 8, 33)
+
+
+def reference(monkeypatch, fn, *args, **kwargs):
+    """fn(*args) on the matmul reference path (FREQACT_KERNELS=torch switches the C path off)."""
+    monkeypatch.setenv("FREQACT_KERNELS", "torch")
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        monkeypatch.delenv("FREQACT_KERNELS")
+
+
+@needs_c
+@pytest.mark.parametrize("h", EDGE)
+@pytest.mark.parametrize("w", EDGE)
+def test_fast_dct_matches_scipy_and_the_matmul_reference(monkeypatch, h, w):
+    x = randn(3, 2, h, w, dtype=torch.float32, seed=h * 100 + w)
+    assert F._fast(x, 2)
+    x64 = x.double().numpy()
+    for fn, oracle in ((F.dct, scipy.fft.dctn), (F.idct, scipy.fft.idctn)):
+        got = fn(x, 2)
+        assert got.dtype == torch.float32 and got.shape == x.shape
+        assert rel_error(got, oracle(x64, type=2, norm="ortho", axes=(-2, -1))) <= 2e-6
+        torch.testing.assert_close(got, reference(monkeypatch, fn, x, 2), atol=2e-6, rtol=0)
+    ref1 = scipy.fft.dctn(x64, type=2, norm="ortho", axes=(-1,))
+    assert rel_error(F.dct(x, 1), ref1) <= 2e-6
+
+
+@needs_c
+@pytest.mark.parametrize("h,w", [(1, 1), (7, 33), (8, 8), (33, 7), (32, 32)])
+def test_fast_lowpass_pieces_and_band_energy_match_the_reference(monkeypatch, h, w):
+    x = randn(2, 3, h, w, dtype=torch.float32, seed=h + w)
+    kept = F.windows((h, w), 0.3, rule="official")
+    corner = F.lowpass_coefficients(x, kept)
+    full = scipy.fft.dctn(x.double().numpy(), type=2, norm="ortho", axes=(-2, -1))
+    assert rel_error(corner, full[..., : kept[0], : kept[1]]) <= 2e-6
+    torch.testing.assert_close(F.lowpass_synthesis(corner, (h, w)),
+                               reference(monkeypatch, F.lowpass_synthesis, corner, (h, w)), atol=2e-6, rtol=0)
+    for ratio_fn in (F.lowpass, F.highpass):
+        torch.testing.assert_close(ratio_fn(x, 0.3, rule="official"),
+                                   reference(monkeypatch, ratio_fn, x, 0.3, rule="official"), atol=3e-6, rtol=0)
+    for reduce in ("instance", "channel", "all"):
+        got = F.band_energy(x, 0.3, reduce=reduce)
+        want = reference(monkeypatch, F.band_energy, x.double(), 0.3, reduce=reduce)
+        for g, r in zip(got, want):
+            assert g.dtype == torch.float32 and g.shape == r.shape
+            torch.testing.assert_close(g.double(), r, atol=1e-5, rtol=1e-5)
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fast_path_half_inputs_are_computed_in_float32(dtype, monkeypatch):
+    x = randn(2, 4, 9, 16, dtype=torch.float32).to(dtype)
+    got = F.dct(x)
+    assert got.dtype == dtype
+    want = reference(monkeypatch, F.dct, x)
+    assert torch.equal(got, want) or (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+    corner = F.lowpass_coefficients(x, (3, 4))
+    assert corner.dtype == dtype and corner.shape == (2, 4, 3, 4)
+
+
+def test_fast_path_is_not_used_where_a_gradient_is_needed():
+    x = randn(2, 3, 8, 8, dtype=torch.float32).requires_grad_(True)
+    assert not F._fast(x, 2)
+    assert not F._fast(x.detach().double(), 2)  # float64: the reference keeps its precision
+    assert not F._fast(x.detach(), 3)
+    with torch.no_grad():
+        assert F._fast(x, 2) == cpu_dct.available()
+
+
+@needs_c
+def test_fast_kernels_range_check_what_goes_into_c():
+    x = torch.randn(2, 8, 8)
+    with pytest.raises(TypeError, match="float32 CPU"):
+        cpu_dct.dct2(x.double())
+    with pytest.raises(ValueError, match="map sizes"):
+        cpu_dct.dct2(torch.zeros(1, 1, cpu_dct.MAX_SIZE + 1))
+    with pytest.raises(ValueError, match="wh"):
+        cpu_dct.dct_corner(x, 0, 2)
+    with pytest.raises(ValueError, match="ww"):
+        cpu_dct.band_energy(x, 2, 9)
+    with pytest.raises(ValueError, match="h"):
+        cpu_dct.idct_corner(torch.zeros(2, 4, 4), 3, 8)
+    with pytest.raises(ValueError, match="shape"):
+        cpu_dct.dct2(torch.zeros(5))
+    with pytest.raises(ValueError, match="windows"):
+        F.lowpass_coefficients(x, (9, 2))
+    with pytest.raises(ValueError, match="sizes"):
+        F.lowpass_synthesis(x, (4, 8))
+    # non-contiguous input is read in logical order
+    t = torch.randn(8, 8, 3).permute(2, 0, 1)
+    torch.testing.assert_close(cpu_dct.dct2(t), cpu_dct.dct2(t.contiguous()), atol=0, rtol=0)

@@ -241,3 +241,12 @@ def test_run_records_the_kernels_and_an_old_format_run_still_resumes(tmp_path):
     assert train.read_config(tmp_path / "run")["kernels"] == kernels.backend_for(torch.empty(0))
     train.train(_tiny_config(tmp_path, out=str(tmp_path / "plain")), model=mlp())
     assert train.read_config(tmp_path / "plain")["kernels"] is None
+
+
+def test_the_window_rule_setting_offers_exactly_the_rules_dct_knows():
+    # settings.py imports no torch, so it writes the choices out; they must not drift apart.
+    from freqact import dct
+    from freqact.codecs.settings import WINDOW_RULE
+
+    assert WINDOW_RULE.choices == dct.WINDOW_RULES
+    assert all(WINDOW_RULE in codecs.codec_class(n).settings for n in ("lfc", "hfc", "hfc-quant"))

@@ -25,23 +25,25 @@ from freqact.analysis.common import (
 )
 
 
-def instance_lambdas(h: torch.Tensor, ratio: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+def instance_lambdas(h: torch.Tensor, ratio: float = 0.1, rule: str = "nearest") -> tuple[torch.Tensor, torch.Tensor]:
     """λ^L and λ^H of every instance of one activation tensor.
 
     Args:
         h: activations, shape (N, F), (N, C, L), (N, T, F), (N, C, H, W) or (N, C, D, H, W);
             the map dims follow the codecs' map-layout policy (`common.map_dims`).
         ratio: kept fraction W/N of each frequency axis, in (0, 1].
+        rule: how ratio becomes W, "nearest" or "official" (`freqact.dct.windows`).
 
     Returns:
         (lam_L, lam_H): float64, shape (N,), Frobenius norms over everything but the batch dim.
     """
     _validate.floating_tensor("h", h)
-    lam_l, lam_h = dct.band_energy(h.double(), ratio, dims=map_dims(h), reduce="instance")
+    lam_l, lam_h = dct.band_energy(h.double(), ratio, dims=map_dims(h), reduce="instance", rule=rule)
     return lam_l, lam_h
 
 
-def measure(model: nn.Module, x: torch.Tensor, *, ratio: float = 0.1, layers: str = "blocks") -> list[dict]:
+def measure(model: nn.Module, x: torch.Tensor, *, ratio: float = 0.1, layers: str = "blocks",
+            rule: str = "nearest") -> list[dict]:
     """λ^L and λ^H per layer and per instance of a batch.
 
     The model runs in eval mode without autograd; its mode and buffers are left untouched.
@@ -52,15 +54,17 @@ def measure(model: nn.Module, x: torch.Tensor, *, ratio: float = 0.1, layers: st
         ratio: kept fraction of each frequency axis, in (0, 1].
         layers: `"blocks"` (block outputs), `"convs"` (conv/linear inputs) or `"all"`
             (see `common.select_layers`).
+        rule: how ratio becomes W, "nearest" or "official" (`freqact.dct.windows`).
 
     Returns:
         One row per (layer, instance): {"layer", "instance", "lam_L", "lam_H"}, layers in call order.
     """
     _validate.floating_tensor("x", x)
     _validate.unit_ratio("ratio", ratio)
+    _validate.choice("rule", rule, dct.WINDOW_RULES)
     rows = []
     for name, h in capture(model, x, select_layers(model, layers)):
-        lam_l, lam_h = instance_lambdas(h, ratio)
+        lam_l, lam_h = instance_lambdas(h, ratio, rule)
         for i, (lo, hi) in enumerate(zip(lam_l.tolist(), lam_h.tolist())):
             rows.append({"layer": name, "instance": i, "lam_L": lo, "lam_H": hi})
     return rows
@@ -104,6 +108,7 @@ def from_checkpoints(
     *,
     ratio: float = 0.1,
     layers: str = "blocks",
+    rule: str = "nearest",
     images: int = 512,
     data_dir: str | os.PathLike | None = None,
     device: str | torch.device = "cpu",
@@ -112,7 +117,7 @@ def from_checkpoints(
 
     Args:
         paths: checkpoint files and/or run directories (see `common.resolve_checkpoints`).
-        ratio, layers: as in `measure`.
+        ratio, layers, rule: as in `measure`.
         images: the first `images` test images of the run's dataset (`common.eval_batch`).
         data_dir: overrides the data directory the runs recorded.
         device: where to run the models.
@@ -135,6 +140,6 @@ def from_checkpoints(
                 f"paths: expected checkpoints of runs on one dataset, got {dataset!r} and "
                 f"{ckpt['config']['dataset']!r} ({path})"
             )
-        for row in measure(model, batch, ratio=ratio, layers=layers):
+        for row in measure(model, batch, ratio=ratio, layers=layers, rule=rule):
             rows.append({"checkpoint": str(path), "epoch": ckpt["epoch"], **row})
     return rows

@@ -1,28 +1,40 @@
-"""Theorem 3.1 measured: weight-gradient errors of LFC-ACT and HFC-ACT against their bounds.
+"""Theorem 3.1 tested for what it claims: per conv layer, the weight-gradient error of an LFC- or
+HFC-cached input is bounded by GEB, and how tight that bound is; plus whole-network gradient
+fidelity of LFC-ACT / HFC-ACT.
 
-For a conv/linear layer l with cached input x = x_L + x_H (DCT low-pass split) and output gradient
-∇y, the weight gradient G(z) = ∇W computed from a cached input z is linear in z. Caching only x_L
+For a conv layer l with cached input x = x_L + x_H (DCT low-pass split) and output gradient ∇y,
+the weight gradient G(z) = ∇W computed from a cached input z is linear in z. Caching only x_L
 therefore errs by exactly G(x_L) − G(x) = −G(x_H), and caching only x_H by −G(x_L). `kernel_factor`
 bounds ‖G(z)‖_F ≤ c_l · ‖∇y‖_F · ‖z‖_F, and ‖x_H‖_F = λ^H, ‖x_L‖_F = λ^L by Parseval (orthonormal
 DCT), so
 
     err^L = ‖Ĝ^L − G‖_F ≤ GEB^L = c_l ‖∇y‖_F λ^H,    err^H = ‖Ĝ^H − G‖_F ≤ GEB^H = c_l ‖∇y‖_F λ^L,
 
-with norms over the whole batch tensor. The end-to-end variant runs the whole network under
-`freqact.engine.compress(model, "lfc" | "hfc", ratio=...)` and compares each layer's weight gradient
-with the exact one, so errors from earlier (in backward order) layers propagate.
+with norms over the whole batch tensor. What can be checked: that err ≤ GEB (the bound holds),
+its tightness err/GEB, and err^L against err^H measured directly. Comparing the *orderings* of
+GEB^L/GEB^H and λ^L/λ^H checks nothing: GEB^H − GEB^L = c_l‖∇y‖(λ^L − λ^H) identically.
+The theorem is about convolutions; the classifier Linear (outside it, and kept exact by the
+spectral codecs) is not reported.
+
+Whole-network gradient fidelity (`gradient_fidelity`) runs the network under
+`freqact.engine.compress(model, "lfc" | "hfc", ratio=...)` and compares the gradient of every
+parameter, concatenated, with the exact one: cosine similarity and relative error.
 """
 from __future__ import annotations
 
 import math
+import os
+import statistics
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freqact import _validate, dct, engine
-from freqact.analysis.common import WEIGHT_LAYERS, map_dims, scratch_state
+from freqact import _validate, checkpoint, dct, engine
+from freqact.analysis.common import WEIGHT_LAYERS, eval_batch, resolve_checkpoints, scratch_state
+
+CONV_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 _CONV_WEIGHT_GRAD = {
     1: torch.nn.grad.conv1d_weight,
@@ -146,51 +158,64 @@ def _seeded_loss(model, x, y, loss_fn, seed) -> torch.Tensor:
         return loss_fn(model(x), y)
 
 
+def _compressed_grads(model, x, y, params, *, band, ratio, rule, loss_fn, seed) -> tuple[torch.Tensor, ...]:
+    """Gradients of `params` with the whole network under compress(model, band) (lfc or hfc)."""
+    with engine.compress(model, band, ratio=ratio, window_rule=rule):
+        loss = _seeded_loss(model, x, y, loss_fn, seed)
+    return torch.autograd.grad(loss, params, allow_unused=True)
+
+
 def measure(
     model: nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
     *,
     ratio: float = 0.1,
+    rule: str = "nearest",
     end_to_end: bool = True,
     train: bool = True,
     seed: int = 0,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
 ) -> list[dict]:
-    """Per conv/linear layer: λ^L, λ^H, measured weight-gradient errors and their Theorem 3.1 bounds.
+    """Per conv layer: λ^L, λ^H, the measured weight-gradient errors, their Theorem 3.1 bounds,
+    whether each bound holds and how tight it is.
 
-    One exact forward/backward pass in the model's precision captures every layer's cached input x
-    and output gradient ∇y; per layer, G(x), G(x_L) and G(x_H) are then computed by `weight_grad`
-    from that same ∇y, so only layer l's cached input changes. They are computed in the batch's
-    precision (float64 batches give errors free of float32 cancellation; float32 keeps ResNet-18
-    on 128 images to seconds); "bound_holds" allows a rounding slack of 1e-4 (float32) or 1e-10
-    (float64) times c_l·‖∇y‖_F·‖x‖_F.
-    The model's mode and buffers (BatchNorm statistics) are restored afterwards.
+    One exact forward/backward pass in the model's precision captures every conv layer's cached
+    input x and output gradient ∇y; per layer, G(x), G(x_L) and G(x_H) are then computed by
+    `weight_grad` from that same ∇y, so only layer l's cached input changes. They are computed in
+    the batch's precision (float64 batches give errors free of float32 cancellation; float32 keeps
+    ResNet-18 on 128 images to seconds); the bound checks allow a rounding slack of 1e-4 (float32)
+    or 1e-10 (float64) times c_l·‖∇y‖_F·‖x‖_F. The model's mode and buffers (BatchNorm
+    statistics) are restored afterwards.
 
     Args:
-        model: the network; each conv/linear layer must run at most once per forward pass.
+        model: the network; each conv layer must run at most once per forward pass.
         x: input batch, shape (N, *input_shape).
         y: targets for `loss_fn`, e.g. int64 labels of shape (N,).
         ratio: kept fraction W/N of each frequency axis of the cached inputs, in (0, 1].
-        end_to_end: also run the whole network under `engine.compress(model, "lfc"|"hfc")`.
+        rule: how ratio becomes W, "nearest" or "official" (`freqact.dct.windows`).
+        end_to_end: also run the whole network under `engine.compress(model, "lfc"|"hfc")` and
+            report each layer's weight-gradient error there.
         train: run in training mode (BatchNorm batch statistics, dropout) as in training.
         seed: RNG seed of every pass (identical dropout masks).
         loss_fn: loss(model(x), y) -> scalar.
 
     Returns:
-        One row per layer in call order: {"layer", "kind", "c", "grad_out_norm", "lam_L", "lam_H",
-        "err_L", "err_H", "GEB_L", "GEB_H", "bound_holds", "err_L_lt_err_H", "lam_L_gt_lam_H"} and,
-        with `end_to_end`, "e2e_err_L", "e2e_err_H" (float32 weight-gradient errors of the whole
-        network in LFC-ACT / HFC-ACT).
+        One row per conv layer in call order: {"layer", "kind", "c", "grad_out_norm", "lam_L",
+        "lam_H", "err_L", "err_H", "GEB_L", "GEB_H", "bound_L_holds", "bound_H_holds",
+        "bound_holds" (both), "tightness_L" = err_L / GEB_L, "tightness_H" (None where GEB is 0),
+        "err_L_lt_err_H"} and, with `end_to_end`, "e2e_err_L", "e2e_err_H" (float32 weight-gradient
+        errors of the layer with the whole network in LFC-ACT / HFC-ACT).
 
     Raises:
-        ValueError: if the model has no conv/linear layer or runs one of them twice.
+        ValueError: if the model has no conv layer or runs one of them twice.
     """
     _validate.floating_tensor("x", x)
     _validate.unit_ratio("ratio", ratio)
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, WEIGHT_LAYERS)]
+    _validate.choice("rule", rule, dct.WINDOW_RULES)
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, CONV_LAYERS)]
     if not layers:
-        raise ValueError(f"model: expected at least one Conv1d/2d/3d or Linear layer in {type(model).__name__}")
+        raise ValueError(f"model: expected at least one Conv1d/2d/3d layer in {type(model).__name__}")
     calls: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def hook_for(name):
@@ -219,25 +244,28 @@ def measure(
         e2e = {}
         if end_to_end:
             for band in ("lfc", "hfc"):
-                with engine.compress(model, band, ratio=ratio):
-                    loss = _seeded_loss(model, x, y, loss_fn, seed)
-                approx = torch.autograd.grad(loss, weights)
+                approx = _compressed_grads(model, x, y, weights, band=band, ratio=ratio, rule=rule,
+                                           loss_fn=loss_fn, seed=seed)
                 e2e[band] = [float((g - g0).norm()) for g, g0 in zip(approx, exact)]
 
     rows = []
     for i, name in enumerate(order):
-        rows.append(_layer_row(name, modules[name], calls[name][0], grad_out[i], ratio))
+        rows.append(_layer_row(name, modules[name], calls[name][0], grad_out[i], ratio, rule))
         if end_to_end:
             rows[-1].update(e2e_err_L=e2e["lfc"][i], e2e_err_H=e2e["hfc"][i])
     return rows
 
 
-def _layer_row(name: str, module: nn.Module, x: torch.Tensor, grad_out: torch.Tensor, ratio: float) -> dict:
-    """The Theorem 3.1 quantities of one layer, in x's precision (float32 for half inputs)."""
+def _tightness(err: float, bound: float) -> float | None:
+    return err / bound if bound > 0 else None
+
+
+def _layer_row(name: str, module: nn.Module, x: torch.Tensor, grad_out: torch.Tensor, ratio: float,
+               rule: str) -> dict:
+    """The Theorem 3.1 quantities of one conv layer, in x's precision (float32 for half inputs)."""
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     x, grad_out = x.to(dtype), grad_out.to(dtype)
-    dims = map_dims(x) if isinstance(module, nn.Linear) else len(module.kernel_size)
-    lfc, hfc = dct.split(x, ratio, dims=dims)
+    lfc, hfc = dct.split(x, ratio, dims=len(module.kernel_size), rule=rule)
     exact = weight_grad(module, x, grad_out)
     err_l = float((weight_grad(module, lfc, grad_out) - exact).norm())
     err_h = float((weight_grad(module, hfc, grad_out) - exact).norm())
@@ -246,6 +274,7 @@ def _layer_row(name: str, module: nn.Module, x: torch.Tensor, grad_out: torch.Te
     lam_l, lam_h = float(lfc.norm()), float(hfc.norm())
     geb_l, geb_h = c * gy_norm * lam_h, c * gy_norm * lam_l
     slack = _BOUND_RTOL[dtype] * c * gy_norm * float(x.norm())
+    holds_l, holds_h = err_l <= geb_l + slack, err_h <= geb_h + slack
     return {
         "layer": name,
         "kind": type(module).__name__,
@@ -257,23 +286,119 @@ def _layer_row(name: str, module: nn.Module, x: torch.Tensor, grad_out: torch.Te
         "err_H": err_h,
         "GEB_L": geb_l,
         "GEB_H": geb_h,
-        "bound_holds": err_l <= geb_l + slack and err_h <= geb_h + slack,
+        "bound_L_holds": holds_l,
+        "bound_H_holds": holds_h,
+        "bound_holds": holds_l and holds_h,
+        "tightness_L": _tightness(err_l, geb_l),
+        "tightness_H": _tightness(err_h, geb_h),
         "err_L_lt_err_H": err_l < err_h,
-        "lam_L_gt_lam_H": lam_l > lam_h,
     }
+
+
+def gradient_fidelity(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    ratio: float = 0.1,
+    rule: str = "nearest",
+    train: bool = True,
+    seed: int = 0,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+) -> dict:
+    """How close the whole-network gradients of LFC-ACT and HFC-ACT are to the exact gradient.
+
+    The gradients of every parameter that receives one, flattened and concatenated, from one
+    exact pass and one pass each under `engine.compress(model, "lfc" | "hfc", ratio=ratio,
+    window_rule=rule)` on the same batch and dropout masks (the codecs keep (N, F) classifier
+    inputs exact). Model mode and buffers are restored.
+
+    Args:
+        model, x, y, train, seed, loss_fn: as in `measure`.
+        ratio, rule: the codecs' settings.
+
+    Returns:
+        {"grad_norm": ‖g‖, "cos_L": cos(g^L, g), "cos_H": cos(g^H, g), "rel_err_L": ‖g^L − g‖/‖g‖,
+        "rel_err_H"}; cos of g with itself is 1.
+
+    Raises:
+        ValueError: if no parameter receives a gradient.
+    """
+    _validate.floating_tensor("x", x)
+    _validate.unit_ratio("ratio", ratio)
+    _validate.choice("rule", rule, dct.WINDOW_RULES)
+    params = [p for p in model.parameters() if p.requires_grad]
+    with scratch_state(model, train):
+        exact = torch.autograd.grad(_seeded_loss(model, x, y, loss_fn, seed), params, allow_unused=True)
+        used = [i for i, g in enumerate(exact) if g is not None]
+        if not used:
+            raise ValueError(f"model: no parameter of {type(model).__name__} receives a gradient")
+        g = torch.cat([exact[i].reshape(-1) for i in used]).double()
+        out = {"grad_norm": float(g.norm())}
+        for band, key in (("lfc", "L"), ("hfc", "H")):
+            approx = _compressed_grads(model, x, y, params, band=band, ratio=ratio, rule=rule,
+                                       loss_fn=loss_fn, seed=seed)
+            a = torch.cat([(approx[i] if approx[i] is not None else torch.zeros_like(exact[i])).reshape(-1)
+                           for i in used]).double()
+            out[f"cos_{key}"] = float(F.cosine_similarity(a, g, dim=0, eps=1e-300))
+            out[f"rel_err_{key}"] = float((a - g).norm() / g.norm()) if g.norm() > 0 else float("nan")
+    return out
+
+
+def from_checkpoints(
+    paths: Sequence[str | os.PathLike],
+    *,
+    ratio: float = 0.1,
+    rule: str = "nearest",
+    images: int = 128,
+    end_to_end: bool = True,
+    data_dir: str | os.PathLike | None = None,
+    device: str | torch.device = "cpu",
+) -> tuple[list[dict], list[dict]]:
+    """`measure` and `gradient_fidelity` on each checkpoint, on its run's first `images` test
+    images (the same real batch at every checkpoint of a run).
+
+    Args:
+        paths: checkpoint files and/or run directories (see `common.resolve_checkpoints`).
+        ratio, rule, end_to_end: as in `measure`.
+        images: batch size taken from the test set (`common.eval_batch`).
+        data_dir: overrides the data directory the runs recorded.
+        device: where to run the models.
+
+    Returns:
+        (layer rows, fidelity rows): `measure`'s rows and one `gradient_fidelity` row per
+        checkpoint, each with "checkpoint" (path) and "epoch" columns first.
+    """
+    layer_rows: list[dict] = []
+    fidelity: list[dict] = []
+    for path in resolve_checkpoints(paths):
+        model, ckpt = checkpoint.load_model(path, device)
+        x, y = eval_batch(model, ckpt["config"], images, data_dir, device)
+        where = {"checkpoint": str(path), "epoch": ckpt["epoch"]}
+        for row in measure(model, x, y, ratio=ratio, rule=rule, end_to_end=end_to_end):
+            layer_rows.append({**where, **row})
+        fidelity.append({**where, **gradient_fidelity(model, x, y, ratio=ratio, rule=rule)})
+    return layer_rows, fidelity
 
 
 def summarize(rows: Sequence[dict]) -> dict:
-    """Counts over the layers of a `measure` table.
+    """Counts and tightness over the layers of a `measure` table (one checkpoint).
 
     Returns:
-        {"layers", "bound_holds", "err_L_lt_err_H", "lam_L_gt_lam_H", "orderings_agree"}, the last
-        counting layers where (err^L < err^H) == (λ^L > λ^H), as Theorem 3.1 predicts.
+        {"layers", "bound_holds" (both bounds), "bound_L_holds", "bound_H_holds",
+        "median_tightness_L", "median_tightness_H", "max_tightness_L", "max_tightness_H"
+        (None without a positive bound), "err_L_lt_err_H" (layers where the LFC-cached input
+        gives the smaller weight-gradient error)}.
     """
-    return {
+    out = {
         "layers": len(rows),
         "bound_holds": sum(bool(r["bound_holds"]) for r in rows),
+        "bound_L_holds": sum(bool(r["bound_L_holds"]) for r in rows),
+        "bound_H_holds": sum(bool(r["bound_H_holds"]) for r in rows),
         "err_L_lt_err_H": sum(bool(r["err_L_lt_err_H"]) for r in rows),
-        "lam_L_gt_lam_H": sum(bool(r["lam_L_gt_lam_H"]) for r in rows),
-        "orderings_agree": sum(bool(r["err_L_lt_err_H"]) == bool(r["lam_L_gt_lam_H"]) for r in rows),
     }
+    for band in ("L", "H"):
+        values = [r[f"tightness_{band}"] for r in rows if r[f"tightness_{band}"] is not None]
+        out[f"median_tightness_{band}"] = statistics.median(values) if values else None
+        out[f"max_tightness_{band}"] = max(values) if values else None
+    return out

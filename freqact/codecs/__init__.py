@@ -17,7 +17,9 @@ from freqact.codecs.base import (
 from freqact.codecs import cheap  # noqa: F401  (registers the exact-but-cheap codecs)
 from freqact.codecs.division import Division, DivisionNoHFC, DivisionNoLFC, Quant
 from freqact.codecs.settings import Setting
-from freqact.codecs.spectral import HighFrequency, LowFrequency, SpectralPacked
+from freqact.codecs.spectral import (
+    HighFrequency, LowFrequency, QuantizedHighFrequency, SpectralPacked,
+)
 from freqact.kernels.format import DivisionPacked
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "HighFrequency",
     "LowFrequency",
     "Quant",
+    "QuantizedHighFrequency",
     "Setting",
     "SpectralPacked",
     "codec_class",

@@ -142,6 +142,10 @@ class Codec:
     def decode(self, packed) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def accepts(self, x: torch.Tensor) -> bool:
+        """Whether this codec stores x; `freqact.compress` keeps a declined tensor exactly."""
+        return True
+
     def __repr__(self) -> str:
         settings = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({settings})"

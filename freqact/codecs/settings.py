@@ -165,3 +165,9 @@ BACKEND = Setting(
     "kernels: auto ($FREQACT_KERNELS when set, else Triton on CUDA, C on the CPU, the torch "
     "reference where those are missing), or force torch, cpu or triton",
     choices=("auto", "torch", "cpu", "triton"))
+WINDOW_RULE = Setting(
+    "window_rule", str, "nearest",
+    "how ratio becomes the kept window W of each axis (freqact.dct.windows): nearest (W = r*N "
+    "rounded half up, at least 1) or official (the DIVISION code's round(r*N + 0.5))",
+    # = freqact.dct.WINDOW_RULES, written out because this module imports no torch (tested equal).
+    choices=("nearest", "official"))

@@ -3,9 +3,16 @@
 x is read as maps (N, C, *S) by the same rule as the DIVISION codecs (`format.as_maps`): 1D maps
 for (N, F) (one per sample) and rank-3 tensors, 2D for rank 4, 3D for rank 5. Each map's
 orthonormal DCT X is taken over its spatial dims, and the cache holds only the coefficients that
-`freqact.dct.lowpass_mask(S, ratio)` keeps (`lfc`: the top-left W_1 x ... x W_d corner) or drops
-(`hfc`: the complement, stored as d disjoint boxes). Decode puts them back in a zero spectrum and
-applies the inverse DCT, so decode(encode(x)) is the exact low-pass / high-pass part of x.
+`freqact.dct.lowpass_mask(S, ratio, rule=window_rule)` keeps (`lfc`: the top-left W_1 x ... x W_d
+corner) or drops (`hfc`: the complement, stored as d disjoint boxes). Decode puts them back in a
+zero spectrum and applies the inverse DCT, so decode(encode(x)) is the exact low-pass / high-pass
+part of x. `hfc-quant` instead stores that high-pass part in the spatial domain, Q-bit quantised
+per map with DIVISION's unbiased quantiser (the official code's `rm_lfc` HFC-ACT path).
+
+Only tensors with a spatial or sequence axis have frequencies: `accepts(x)` is False for rank-2
+(N, F) inputs (a Linear layer on features; the official code never converts the classifier), and
+`freqact.compress` keeps what a codec declines exactly. `encode` itself still takes (N, F) as one
+1D map per sample, for direct use.
 
 Coefficients are stored in x's dtype: the cache costs x's bytes times the kept fraction, which is
 the paper's accounting. For float16/bfloat16 the transform runs in float32 and only the stored
@@ -24,10 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
-from freqact import _validate, dct
+from freqact import _validate, dct, kernels
 from freqact.codecs.base import Codec, register, tensor_nbytes
-from freqact.codecs.settings import RATIO
-from freqact.kernels.format import as_maps, saturating_cast
+from freqact.codecs.settings import BACKEND, BITS, RATIO, WINDOW_RULE
+from freqact.kernels.format import QuantPacked, as_maps, saturating_cast
 
 
 @dataclass(frozen=True)
@@ -71,56 +78,89 @@ def _boxes(windows: tuple[int, ...], high: bool) -> list[tuple[slice, ...]]:
     ]
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype transforms run in: float32 for half precision, else dtype itself."""
+    return torch.float32 if dtype.itemsize < 4 else dtype
+
+
+def _scaled(transform, maps: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(transform(maps), 0), or (transform(maps * 2**-k), k) when that overflows for finite maps.
+
+    The edge rule (module docstring): |X| <= sqrt(P) max|x| for maps of P elements, so
+    2**k >= 2 sqrt(P) keeps every coefficient finite.
+
+    Args:
+        transform: a linear map of maps (N, C, *S) (the DCT, or its low corner).
+        maps: (N, C, *S).
+    """
+    coeffs = transform(maps)
+    if bool(coeffs.isfinite().all()) or not bool(maps.isfinite().all()):
+        return coeffs, 0
+    scale_exp = math.ceil(math.log2(math.prod(maps.shape[2:])) / 2) + 1
+    return transform(maps * 2.0**-scale_exp), scale_exp
+
+
+def _unscaled(x: torch.Tensor, scale_exp: int) -> torch.Tensor:
+    """x * 2**scale_exp, finite values saturating at x's dtype's largest finite value."""
+    if not scale_exp:
+        return x
+    top = torch.finfo(x.dtype).max
+    return torch.where(x.isfinite(), (x * 2.0**scale_exp).clamp(-top, top), x)
+
+
 class _Spectral(Codec):
-    """Shared encode/decode of `lfc` and `hfc`; subclasses set `_high`."""
+    """Shared settings, encode and decode of `lfc` and `hfc`; subclasses set `_high`."""
 
     _high: bool
-    settings = (RATIO,)
+    settings = (RATIO, WINDOW_RULE)
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        """True for tensors with a spatial or sequence axis (rank >= 3); (N, F) is declined."""
+        return x.dim() >= 3
+
+    def windows(self, shape) -> tuple[int, ...]:
+        """W_d per spatial dim of the maps of a tensor of `shape` (as encode uses them)."""
+        spatial = as_maps(torch.empty(shape, device="meta")).shape[2:]
+        return dct.windows(spatial, self.ratio, rule=self.window_rule)
 
     def encode(self, x: torch.Tensor) -> SpectralPacked:
         _validate.floating_tensor("x", x)
         with torch.no_grad():
             maps = as_maps(x)
-            spatial = tuple(maps.shape[2:])
-            mask = dct.lowpass_mask(spatial, self.ratio)
-            # W_d = the mask's extent along dim d (it is a corner box).
-            windows = tuple(
-                int(mask[(0,) * d + (slice(None),) + (0,) * (len(spatial) - d - 1)].sum())
-                for d in range(len(spatial))
-            )
-            coeffs = dct.dct(maps, dims=len(spatial))  # (N, C, *S), x's dtype
-            scale_exp = 0
-            if not bool(coeffs.isfinite().all()) and bool(maps.isfinite().all()):
-                scale_exp = math.ceil(math.log2(math.prod(spatial)) / 2) + 1
-                coeffs = dct.dct(maps * 2.0**-scale_exp, dims=len(spatial))
+            windows = self.windows(x.shape)
+            if not self._high:  # the corner alone, without the full spectrum
+                low, scale_exp = _scaled(lambda m: dct.lowpass_coefficients(m, windows), maps)
+                return SpectralPacked((low,), x.shape, windows, False, scale_exp)
+            coeffs, scale_exp = _scaled(lambda m: dct.dct(m, dims=len(windows)), maps)  # x's dtype
             # contiguous() copies each box out, so the full spectrum is not kept alive.
-            pieces = tuple(coeffs[(...,) + box].contiguous() for box in _boxes(windows, self._high))
-        return SpectralPacked(pieces, x.shape, windows, self._high, scale_exp)
+            pieces = tuple(coeffs[(...,) + box].contiguous() for box in _boxes(windows, True))
+        return SpectralPacked(pieces, x.shape, windows, True, scale_exp)
 
     def decode(self, packed: SpectralPacked) -> torch.Tensor:
         """Inverse DCT of the kept coefficients (zeros elsewhere); shape and dtype of x."""
         first = packed.pieces[0]
         maps_shape = as_maps(torch.empty(packed.shape, device="meta")).shape
+        # Half-precision coefficients are transformed in float32 either way (`freqact.dct`).
+        wide = _wide(first.dtype)
         with torch.no_grad():
-            coeffs = torch.zeros(maps_shape, dtype=first.dtype, device=first.device)
-            for box, piece in zip(_boxes(packed.windows, packed.high), packed.pieces):
-                coeffs[(...,) + box] = piece
-            # Half-precision coefficients are transformed in float32 either way (`dct.idct`).
-            wide = torch.float32 if first.element_size() < 4 else first.dtype
-            x_hat = dct.idct(coeffs.to(wide), dims=len(packed.windows))
-            if packed.scale_exp:  # multiplying back may overflow: saturate finite values
-                top = torch.finfo(wide).max
-                x_hat = torch.where(x_hat.isfinite(),
-                                    (x_hat * 2.0**packed.scale_exp).clamp(-top, top), x_hat)
-            return saturating_cast(x_hat, first.dtype).reshape(packed.shape)
+            if not packed.high:
+                x_hat = dct.lowpass_synthesis(first.to(wide), maps_shape[2:])
+            else:
+                coeffs = torch.zeros(maps_shape, dtype=wide, device=first.device)
+                for box, piece in zip(_boxes(packed.windows, packed.high), packed.pieces):
+                    coeffs[(...,) + box] = piece
+                x_hat = dct.idct(coeffs, dims=len(packed.windows))
+            return saturating_cast(_unscaled(x_hat, packed.scale_exp), first.dtype).reshape(packed.shape)
 
 
 @register("lfc")
 class LowFrequency(_Spectral):
-    """LFC-ACT: cache the DCT coefficients inside the low-pass mask (W_d = ratio * S_d, rounded
-    half up, at least 1); decode is the low-pass part of x.
+    """LFC-ACT: cache the DCT coefficients inside the low-pass mask; decode is the low-pass part
+    of x. Declines (N, F) tensors (see the module docstring).
 
-    Settings: `ratio` W/N, required.
+    Settings: `ratio` W/N, required; `window_rule`, how ratio becomes W (`freqact.dct.windows`):
+    "nearest" (W = r*N rounded half up, at least 1) or "official" (the DIVISION code's
+    round(r*N + 0.5)).
     """
 
     _high = False
@@ -129,11 +169,95 @@ class LowFrequency(_Spectral):
 
 @register("hfc")
 class HighFrequency(_Spectral):
-    """HFC-ACT: cache the DCT coefficients outside the low-pass mask; decode is the high-pass part
-    of x (all zeros at ratio=1, where nothing is stored).
+    """HFC-ACT: cache what the low-pass mask drops; decode is the high-pass part of x (all zeros
+    at ratio=1, where nothing is stored). Declines (N, F) tensors (see the module docstring).
 
-    Settings: `ratio`, the low-pass mask's W/N, required.
+    Settings: `ratio`, the low-pass mask's W/N, required; `window_rule`, as for `lfc`.
     """
 
     _high = True
     title = "HFC-ACT (only the DCT high band cached)"
+
+
+@register("hfc-quant")
+class QuantizedHighFrequency(_Spectral):
+    """HFC-ACT as the official code's `rm_lfc` path ran it: the high-pass part x - iDCT(DCT(x) * M)
+    stored in the spatial domain as Q-bit codes per map (DIVISION's quantiser: bf16 min and step
+    per map, stochastic rounding, unbiased; a `QuantPacked`). Per map of P elements that is
+    ceil(Q * P / 8) + 4 bytes. Declines (N, F) tensors like `hfc`. Finite in, finite out: the
+    high-pass part is formed under the same edge rule as `lfc` and saturates in x's dtype.
+
+    Settings: `ratio` and `window_rule` as for `hfc`; `bits` Q (the official run used 2);
+    `backend` (the quantiser's kernels).
+    """
+
+    _high = True
+    settings = (RATIO, WINDOW_RULE, BITS, BACKEND)
+    title = "HFC-ACT quantised (the DCT high band as Q-bit codes in the spatial domain)"
+
+    def encode(self, x: torch.Tensor) -> QuantPacked:
+        _validate.floating_tensor("x", x)
+        with torch.no_grad():
+            maps = as_maps(x)
+            maps = maps.to(_wide(maps.dtype))
+            windows = self.windows(x.shape)
+            low, scale_exp = _scaled(lambda m: dct.lowpass_coefficients(m, windows), maps)
+            high = maps * 2.0**-scale_exp - dct.lowpass_synthesis(low, maps.shape[2:])
+            high = saturating_cast(_unscaled(high, scale_exp), x.dtype).reshape(x.shape)
+            return kernels.quantize_encode(high, self.bits, backend=self._kernels)
+
+    def decode(self, packed: QuantPacked) -> torch.Tensor:
+        return kernels.division_decode(packed, backend=self._kernels)
+
+
+def layer_windows(model: torch.nn.Module, input_shape, codec: _Spectral, *, types=None) -> list[dict]:
+    """The windows W a spectral codec keeps for each layer input of `model`, in call order.
+
+    One no-grad eval-mode forward of a zero batch of 1 records the input shape of every module
+    of `types` (default `freqact.engine.DEFAULT_TYPES`, the modules whose input the engine sends to
+    the codec); nothing in the model changes. For the run's config or metrics: with
+    rule="official" ResNet-20 at ratio 0.2 gives W = 7, 4, 2 on its 32, 16, 8 maps.
+
+    Args:
+        model: the network.
+        input_shape: one sample's shape, e.g. (3, 32, 32).
+        codec: an `lfc`, `hfc` or `hfc-quant` codec (its ratio and window_rule are used).
+        types: module types to report (a tuple of classes).
+
+    Returns:
+        [{"layer", "type", "shape": list, "windows": list | None}], windows None where the codec
+        declines the input (kept exactly, e.g. the classifier's (N, F)).
+
+    Raises:
+        TypeError: if codec is not a spectral codec.
+    """
+    if not isinstance(codec, _Spectral):
+        raise TypeError(f"codec: expected an lfc, hfc or hfc-quant codec, got {type(codec).__name__}")
+    if types is None:
+        from freqact.engine import DEFAULT_TYPES  # the engine imports the codecs
+
+        types = DEFAULT_TYPES
+    rows: list[dict] = []
+
+    def hook_for(name):
+        def hook(module, args):
+            x = args[0]
+            windows = list(codec.windows(x.shape)) if codec.accepts(x) else None
+            rows.append({"layer": name, "type": type(module).__name__, "shape": list(x.shape),
+                         "windows": windows})
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(hook_for(name))
+               for name, m in model.named_modules() if isinstance(m, types)]
+    was_training = model.training
+    param = next(model.parameters(), None)
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(torch.zeros((1, *input_shape), device=None if param is None else param.device))
+    finally:
+        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+    return rows

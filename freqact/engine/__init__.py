@@ -14,7 +14,8 @@ tensor autograd saves is routed by that module and by what the tensor is:
 
 - a parameter or buffer, a view of one (`weight.t()`) or an autocast copy of one: kept as is and not
   counted (it is not activation memory);
-- the input of a Conv/Linear/BatchNorm/LayerNorm/GroupNorm (or of an `include`d type): the codec;
+- the input of a Conv/Linear/BatchNorm/LayerNorm/GroupNorm (or of an `include`d type): the codec,
+  unless the codec declines it (`codec.accepts(x)` False: lfc/hfc on (N, F) inputs), then kept;
   a BatchNorm's (N, C) input is read per channel over the batch (the layout of its statistics);
 - a ReLU's output: 1-bit `relu-mask`; a ReLU6/Hardtanh input: 1-bit `hardtanh-mask`; a LeakyReLU
   input or output: 1-bit `sign-mask`; dropout's scaled noise: 1-bit `dropout-mask` (under `exact`

@@ -24,6 +24,9 @@ makes `available()` False like a failed build. It is loaded with ctypes and give
 pointer; OpenMP threads follow `torch.get_num_threads()`. When no compiler works,
 `available()` is False, `unavailable_reason()` says why, and the dispatch in `freqact.kernels`
 falls back to the reference.
+
+`load_library(source, cflags, signatures)` is that one build-cache-verify-load path for any C
+file of freqact: the fused DCT kernels (`freqact.kernels.cpu_dct`) are loaded through it too.
 """
 from __future__ import annotations
 
@@ -43,8 +46,8 @@ import torch
 
 from freqact.kernels.format import Geometry, as_maps, saturating_cast
 
-__all__ = ["COMPILE_TIMEOUT_S", "available", "decode", "encode", "library_path", "pack_codes",
-           "pack_mask", "unavailable_reason", "unpack_codes", "unpack_mask"]
+__all__ = ["COMPILE_TIMEOUT_S", "available", "decode", "encode", "library_path", "load_library",
+           "loaded", "pack_codes", "pack_mask", "unavailable_reason", "unpack_codes", "unpack_mask"]
 
 SOURCE = Path(__file__).with_name("cpu_division.c")
 # No -ffast-math and no FMA contraction: each float operation must round as torch's does.
@@ -83,14 +86,17 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("FREQACT_CACHE") or Path.home() / ".cache" / "freqact")
 
 
-def library_path(cache: Path | None = None) -> Path:
-    """Where the compiled library for this source, compiler, flags and CPU lives (or will), in
-    `cache` (default: $FREQACT_CACHE or ~/.cache/freqact)."""
+def library_path(cache: Path | None = None, source: Path = SOURCE,
+                 cflags: tuple[str, ...] | None = None) -> Path:
+    """Where the library compiled from `source` with `cflags` (default: the division kernels'
+    CFLAGS) by this compiler for this CPU lives (or will), in `cache` (default: $FREQACT_CACHE
+    or ~/.cache/freqact)."""
+    cflags = CFLAGS if cflags is None else cflags
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(_compiler()).encode(), " ".join(CFLAGS).encode(),
+    for part in (source.read_bytes(), " ".join(_compiler()).encode(), " ".join(cflags).encode(),
                  platform.machine().encode(), _cpu_model().encode()):  # -march=native
         key.update(part + b"\0")
-    return (cache or _cache_dir()) / f"cpu_division-{key.hexdigest()[:16]}.so"
+    return (cache or _cache_dir()) / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 
 def _hash_path(library: Path) -> Path:
@@ -125,16 +131,18 @@ def _write_atomically(target: Path, data: bytes) -> None:
             os.unlink(tmp)
 
 
-def _build(target: Path) -> None:
-    """Compile SOURCE to target; without -fopenmp if the compiler refuses it (single-threaded).
-    Records the library's content hash beside it. Raises OSError with every compiler error."""
+def _build(target: Path, source: Path = SOURCE, cflags: tuple[str, ...] | None = None) -> None:
+    """Compile source to target with cflags (default CFLAGS); without -fopenmp if the compiler
+    refuses it (single-threaded). Records the library's content hash beside it. Raises OSError
+    with every compiler error."""
+    cflags = CFLAGS if cflags is None else cflags
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
     os.close(fd)
     try:
         errors = []
-        for flags in (CFLAGS, tuple(f for f in CFLAGS if f != "-fopenmp")):
-            cmd = [*_compiler(), *flags, str(SOURCE), "-o", tmp]
+        for flags in (cflags, tuple(f for f in cflags if f != "-fopenmp")):
+            cmd = [*_compiler(), *flags, str(source), "-o", tmp]
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, check=False,
                                       timeout=COMPILE_TIMEOUT_S)
@@ -177,36 +185,61 @@ def _trusted_cache() -> Path:
         return cache
     private = Path(tempfile.mkdtemp(prefix="freqact-kernels-"))
     warnings.warn(f"freqact: not using the kernel cache: {reason}; building the C kernels in "
-                  f"{private} instead", RuntimeWarning, stacklevel=4)
+                  f"{private} instead", RuntimeWarning, stacklevel=5)
     return private
 
 
-def _load(path: Path) -> ctypes.CDLL:
+def _load(path: Path, source: Path, cflags: tuple[str, ...] | None) -> ctypes.CDLL:
     """Build path unless it holds a verified library, then load it (rebuilding once if a
     verified file still does not load)."""
     if not _verified(path):
-        _build(path)
+        _build(path, source, cflags)
     try:
         return ctypes.CDLL(str(path))
     except OSError:
-        _build(path)
+        _build(path, source, cflags)
         return ctypes.CDLL(str(path))
+
+
+def load_library(source: Path, cflags: tuple[str, ...] | None = None,
+                 signatures: dict | None = None) -> ctypes.CDLL | str:
+    """The C file `source` built with `cflags` (default CFLAGS) and loaded through the cache and
+    its trust checks (module docstring), or a string saying why not.
+
+    Every C kernel library of freqact is loaded here (`cpu_division.c` below, `cpu_dct.c` by
+    `freqact.kernels.cpu_dct`); callers keep the result (in a functools.cache) and read it with
+    `loaded`.
+
+    Args:
+        source: the C file.
+        cflags: the compiler flags (default CFLAGS).
+        signatures: {symbol: (argtypes, restype)}; each symbol must exist (else the string says
+            which is missing) and gets these types.
+    """
+    try:
+        path = library_path(_trusted_cache(), source, cflags)
+        lib = _load(path, source, cflags)
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"the C kernels of {source.name} could not be built or loaded: {err}"
+    for name, (args, result) in (signatures or {}).items():
+        fn = getattr(lib, name, None)
+        if fn is None:
+            return f"the C kernels of {source.name} could not be loaded: {path} has no symbol {name}"
+        fn.argtypes, fn.restype = args, result
+    return lib
+
+
+def loaded(lib: ctypes.CDLL | str) -> ctypes.CDLL:
+    """lib, a `load_library` result, if it loaded; else RuntimeError with the reason."""
+    if not isinstance(lib, str):
+        return lib
+    raise RuntimeError(lib)  # not a TypeError: the kernels are missing, nothing was mistyped
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | str:
     """The loaded library, or a string saying why it cannot be had."""
-    try:
-        path = library_path(_trusted_cache())
-        lib = _load(path)
-    except (OSError, subprocess.SubprocessError) as err:
-        return f"the C kernels could not be built or loaded: {err}"
-    for name, (args, result) in _SIGNATURES.items():
-        fn = getattr(lib, name, None)
-        if fn is None:
-            return f"the C kernels could not be loaded: {path} has no symbol {name}"
-        fn.argtypes, fn.restype = args, result
-    return lib
+    return load_library(SOURCE, CFLAGS, _SIGNATURES)
 
 
 def available() -> bool:
@@ -221,10 +254,7 @@ def unavailable_reason() -> str | None:
 
 
 def _lib() -> ctypes.CDLL:
-    lib = _library()
-    if isinstance(lib, str):
-        raise RuntimeError(lib)
-    return lib
+    return loaded(_library())
 
 
 def _c_int64(name: str, value: int) -> int:

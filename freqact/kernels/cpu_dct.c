@@ -1,0 +1,464 @@
+/* Fused CPU kernels for the orthonormal DCT-II of activation maps (freqact/dct.py is the
+ * specification: the same transform as scipy.fft.dctn(type=2, norm="ortho") over the last two
+ * dims; tests/test_dct.py checks these kernels against it and against scipy in float64).
+ *
+ * Layout: `maps` float32 maps of h x w elements each, contiguous (a 1D transform is h = 1).
+ * One OpenMP team of `threads` splits the maps; each map is transformed while it is in cache,
+ * with per-thread scratch, so no activation-sized temporary exists.
+ *
+ * The basis D[k][i] = c_k cos(pi (2i + 1) k / (2n)) (c_0 = sqrt(1/n), c_k = sqrt(2/n)) is built in
+ * double once per call and rounded to float. Its rows are even or odd about the centre,
+ * D[k][n - 1 - i] = (-1)^k D[k][i], so a length-n transform is two half-size products:
+ * even k from u_i = x_i + x_{n-1-i}, odd k from v_i = x_i - x_{n-1-i} (i < n / 2; for odd n the
+ * middle element joins u alone, as D[odd k][middle] = 0). That halves the multiply-adds.
+ *
+ * Loops are axpy-shaped (a row of the output accumulates scalar x row), so the compiler vectorises
+ * them without reassociating sums; FMA contraction is allowed (the result is not bit-matched to
+ * torch, only checked to float32 accuracy). Every function returns 0, or -1 when the per-thread
+ * scratch could not be allocated (nothing is written then that the caller may read).
+ */
+#define _GNU_SOURCE /* MADV_HUGEPAGE under -std=c11 */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+static const double PI = 3.14159265358979323846;
+
+/* Accumulators are fixed-width blocks of LANES floats, which the compiler keeps in one vector
+ * register (AVX-512) or two (AVX2) over a whole dot-product loop. Tables are stored with rows
+ * padded by zeros to a multiple of LANES, so a block may read past the last real column. */
+#define LANES 16
+
+static int64_t padded(int64_t m) { return (m + LANES - 1) / LANES * LANES; }
+
+typedef struct {
+    int64_t n, ne, no; /* length, even rows ceil(n / 2), odd rows floor(n / 2) */
+    int64_t pe, po;    /* padded row strides of the even / odd tables */
+    float *fe_t;       /* [j * pe + q] = D[2q][j], j < ne: forward along a row */
+    float *fo_t;       /* [j * po + q] = D[2q + 1][j], j < no */
+    float *ie;         /* [q * pe + i] = D[2q][i]: along columns, and the inverse */
+    float *io;         /* [q * po + i] = D[2q + 1][i] */
+} half_plan;
+
+static double basis(int64_t k, int64_t i, int64_t n) {
+    const double c = k == 0 ? sqrt(1.0 / (double)n) : sqrt(2.0 / (double)n);
+    return c * cos(PI * (double)(2 * i + 1) * (double)k / (2.0 * (double)n));
+}
+
+static void free_plan(half_plan *p) {
+    free(p->fe_t);
+    free(p->fo_t);
+    free(p->ie);
+    free(p->io);
+}
+
+static int make_plan(half_plan *p, int64_t n) {
+    p->n = n;
+    p->ne = (n + 1) / 2;
+    p->no = n / 2;
+    p->pe = padded(p->ne);
+    p->po = padded(p->no);
+    const size_t e = (size_t)(p->ne * p->pe) + 1, o = (size_t)(p->no * p->po) + 1;
+    p->fe_t = calloc(e, sizeof(float));
+    p->ie = calloc(e, sizeof(float));
+    p->fo_t = calloc(o, sizeof(float));
+    p->io = calloc(o, sizeof(float));
+    if (!p->fe_t || !p->ie || !p->fo_t || !p->io) {
+        free_plan(p);
+        return -1;
+    }
+    for (int64_t q = 0; q < p->ne; q++)
+        for (int64_t i = 0; i < p->ne; i++)
+            p->ie[q * p->pe + i] = p->fe_t[i * p->pe + q] = (float)basis(2 * q, i, n);
+    for (int64_t q = 0; q < p->no; q++)
+        for (int64_t i = 0; i < p->no; i++)
+            p->io[q * p->po + i] = p->fo_t[i * p->po + q] = (float)basis(2 * q + 1, i, n);
+    return 0;
+}
+
+/* Leading rows of D (rows k < m, columns i < n), zero-padded rows: [k * padded(n) + i] = D[k][i],
+ * or transposed, [i * padded(m) + k]. */
+static float *leading_rows(int64_t m, int64_t n, int transposed) {
+    const int64_t rows = transposed ? n : m, stride = padded(transposed ? m : n);
+    float *d = calloc((size_t)(rows * stride), sizeof(float));
+    if (d)
+        for (int64_t k = 0; k < m; k++)
+            for (int64_t i = 0; i < n; i++)
+                d[transposed ? i * stride + k : k * stride + i] = (float)basis(k, i, n);
+    return d;
+}
+
+/* GROUP independent accumulators per loop hide the latency of the multiply-adds. They are GCC /
+ * Clang vector types (not intrinsics: any CPU; AVX2 splits one into two registers), so they stay
+ * in registers; vload/vstore are unaligned accesses. */
+#define GROUP 4
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef float vec_u __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
+
+static inline vec vload(const float *p) { return *(const vec_u *)p; }
+static inline void vstore(float *p, vec v) { *(vec_u *)p = v; }
+
+/* The first `count` (<= LANES) lanes of v to p. */
+static inline void vstore_part(float *p, vec v, int64_t count) {
+    if (count == LANES) {
+        vstore(p, v);
+    } else {
+        float lanes[LANES];
+        vstore(lanes, v);
+        memcpy(p, lanes, (size_t)count * sizeof(float));
+    }
+}
+
+/* out_r[0:m] = sum_j s_r[j] * mat[j * stride + 0:m] for the `rows` (<= GROUP) vectors
+ * s_r = s + r * s_stride, written to out + r * out_stride; stride = padded(m). */
+static void vec_mat_rows(const float *restrict s, int64_t s_stride, int rows, int64_t len,
+                         const float *restrict mat, int64_t m, float *restrict out,
+                         int64_t out_stride) {
+    const int64_t stride = padded(m);
+    for (int64_t q0 = 0; q0 < m; q0 += LANES) {
+        const int64_t count = m - q0 < LANES ? m - q0 : LANES;
+        if (rows == GROUP) {
+            vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int64_t j = 0; j < len; j++) {
+                const vec row = vload(mat + j * stride + q0);
+                a0 += s[j] * row;
+                a1 += s[s_stride + j] * row;
+                a2 += s[2 * s_stride + j] * row;
+                a3 += s[3 * s_stride + j] * row;
+            }
+            vstore_part(out + q0, a0, count);
+            vstore_part(out + out_stride + q0, a1, count);
+            vstore_part(out + 2 * out_stride + q0, a2, count);
+            vstore_part(out + 3 * out_stride + q0, a3, count);
+        } else {
+            for (int r = 0; r < rows; r++) {
+                vec a0 = {0};
+                for (int64_t j = 0; j < len; j++)
+                    a0 += s[r * s_stride + j] * vload(mat + j * stride + q0);
+                vstore_part(out + r * out_stride + q0, a0, count);
+            }
+        }
+    }
+}
+
+/* out[0:m] = sum_j s[j] * mat[j * padded(m) + 0:m] (j < len). */
+static void vec_mat(const float *restrict s, int64_t len, const float *restrict mat, int64_t m,
+                    float *restrict out) {
+    vec_mat_rows(s, 0, 1, len, mat, m, out, 0);
+}
+
+/* GROUP output rows of LANES columns of mat_rows. */
+static void rows_block4(const float *restrict a, int64_t lda, int64_t len, const float *restrict x,
+                        int64_t x_stride, float *restrict y, int64_t y_stride) {
+    vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int64_t i = 0; i < len; i++) {
+        const vec xr = vload(x + i * x_stride);
+        a0 += a[i] * xr;
+        a1 += a[lda + i] * xr;
+        a2 += a[2 * lda + i] * xr;
+        a3 += a[3 * lda + i] * xr;
+    }
+    vstore(y, a0);
+    vstore(y + y_stride, a1);
+    vstore(y + 2 * y_stride, a2);
+    vstore(y + 3 * y_stride, a3);
+}
+
+/* One output row, columns [0, cols) (any count). */
+static void rows_block1(const float *restrict a, int64_t len, const float *restrict x,
+                        int64_t x_stride, int64_t cols, float *restrict y) {
+    int64_t c = 0;
+    for (; c + LANES <= cols; c += LANES) {
+        vec a0 = {0};
+        for (int64_t i = 0; i < len; i++)
+            a0 += a[i] * vload(x + i * x_stride + c);
+        vstore(y + c, a0);
+    }
+    for (; c < cols; c++) {
+        float a0 = 0.0f;
+        for (int64_t i = 0; i < len; i++)
+            a0 += a[i] * x[i * x_stride + c];
+        y[c] = a0;
+    }
+}
+
+/* Y[k, :cols] = sum_i a[k * lda + i] * X[i, :cols] for k < m; X rows x_stride apart, Y rows
+ * y_stride apart. */
+static void mat_rows(const float *restrict a, int64_t lda, int64_t m, int64_t len,
+                     const float *restrict x, int64_t x_stride, int64_t cols, float *restrict y,
+                     int64_t y_stride) {
+    const int64_t full = cols / LANES * LANES;
+    int64_t k = 0;
+    for (; k + GROUP <= m; k += GROUP) {
+        for (int64_t c = 0; c < full; c += LANES)
+            rows_block4(a + k * lda, lda, len, x + c, x_stride, y + k * y_stride + c, y_stride);
+        if (full < cols)
+            for (int r = 0; r < GROUP; r++)
+                rows_block1(a + (k + r) * lda, len, x + full, x_stride, cols - full,
+                            y + (k + r) * y_stride + full);
+    }
+    for (; k < m; k++)
+        rows_block1(a + k * lda, len, x, x_stride, cols, y + k * y_stride);
+}
+
+/* Forward along `rows` (1 or GROUP) rows of length p->n: t[r] = D x[r]. scratch: 3 * GROUP * n. */
+static inline __attribute__((always_inline)) void
+rows_forward_group(const half_plan *p, const float *restrict x, int rows, float *restrict t,
+                   float *restrict scratch) {
+    const int64_t n = p->n, ne = p->ne, no = p->no;
+    float *u = scratch, *v = scratch + GROUP * n, *acc = scratch + 2 * GROUP * n;
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        for (int64_t j = 0; j < no; j++) {
+            u[r * n + j] = xr[j] + xr[n - 1 - j];
+            v[r * n + j] = xr[j] - xr[n - 1 - j];
+        }
+        if (n & 1)
+            u[r * n + no] = xr[no];
+    }
+    vec_mat_rows(u, n, rows, ne, p->fe_t, ne, acc, n);
+    for (int r = 0; r < rows; r++)
+        for (int64_t q = 0; q < ne; q++)
+            t[r * n + 2 * q] = acc[r * n + q];
+    vec_mat_rows(v, n, rows, no, p->fo_t, no, acc, n);
+    for (int r = 0; r < rows; r++)
+        for (int64_t q = 0; q < no; q++)
+            t[r * n + 2 * q + 1] = acc[r * n + q];
+}
+
+static void rows_forward(const half_plan *p, const float *restrict x, int64_t rows,
+                         float *restrict t, float *restrict scratch) {
+    const int64_t n = p->n;
+    int64_t r = 0;
+    for (; r + GROUP <= rows; r += GROUP)
+        rows_forward_group(p, x + r * n, GROUP, t + r * n, scratch);
+    for (; r < rows; r++)
+        rows_forward_group(p, x + r * n, 1, t + r * n, scratch);
+}
+
+/* Forward along the columns of an (n x cols) block: y = D t. scratch: n * cols floats. */
+static void cols_forward(const half_plan *p, const float *restrict t, int64_t cols,
+                         float *restrict y, float *restrict scratch) {
+    const int64_t n = p->n, ne = p->ne, no = p->no;
+    float *u = scratch, *v = scratch + ne * cols;
+    for (int64_t i = 0; i < no; i++)
+        for (int64_t c = 0; c < cols; c++) {
+            u[i * cols + c] = t[i * cols + c] + t[(n - 1 - i) * cols + c];
+            v[i * cols + c] = t[i * cols + c] - t[(n - 1 - i) * cols + c];
+        }
+    if (n & 1)
+        memcpy(u + no * cols, t + no * cols, (size_t)cols * sizeof(float));
+    mat_rows(p->ie, p->pe, ne, ne, u, cols, cols, y, 2 * cols);        /* rows 0, 2, 4, ... */
+    mat_rows(p->io, p->po, no, no, v, cols, cols, y + cols, 2 * cols); /* rows 1, 3, ... */
+}
+
+/* Inverse along `rows` (1 or GROUP) rows: x[r] = D^T y[r]. scratch: 3 * GROUP * n floats. */
+static inline __attribute__((always_inline)) void
+rows_inverse_group(const half_plan *p, const float *restrict y, int rows, float *restrict x,
+                   float *restrict scratch) {
+    const int64_t n = p->n, ne = p->ne, no = p->no;
+    float *e = scratch, *o = scratch + GROUP * n, *s = scratch + 2 * GROUP * n;
+    for (int r = 0; r < rows; r++)
+        for (int64_t q = 0; q < ne; q++)
+            s[r * n + q] = y[r * n + 2 * q];
+    vec_mat_rows(s, n, rows, ne, p->ie, ne, e, n);
+    for (int r = 0; r < rows; r++)
+        for (int64_t q = 0; q < no; q++)
+            s[r * n + q] = y[r * n + 2 * q + 1];
+    vec_mat_rows(s, n, rows, no, p->io, no, o, n);
+    for (int r = 0; r < rows; r++) {
+        float *xr = x + r * n;
+        for (int64_t i = 0; i < no; i++) {
+            xr[i] = e[r * n + i] + o[r * n + i];
+            xr[n - 1 - i] = e[r * n + i] - o[r * n + i];
+        }
+        if (n & 1)
+            xr[no] = e[r * n + no];
+    }
+}
+
+static void rows_inverse(const half_plan *p, const float *restrict y, int64_t rows,
+                         float *restrict x, float *restrict scratch) {
+    const int64_t n = p->n;
+    int64_t r = 0;
+    for (; r + GROUP <= rows; r += GROUP)
+        rows_inverse_group(p, y + r * n, GROUP, x + r * n, scratch);
+    for (; r < rows; r++)
+        rows_inverse_group(p, y + r * n, 1, x + r * n, scratch);
+}
+
+/* Inverse along the columns of an (n x cols) block: x = D^T y. scratch: n * cols floats. */
+static void cols_inverse(const half_plan *p, const float *restrict y, int64_t cols,
+                         float *restrict x, float *restrict scratch) {
+    const int64_t n = p->n, ne = p->ne, no = p->no;
+    float *e = scratch, *o = scratch + ne * cols;
+    /* e[i] = sum_q D[2q][i] y[2q] = sum_q fe_t[i][q] y[2q]; the same for the odd rows. */
+    mat_rows(p->fe_t, p->pe, ne, ne, y, 2 * cols, cols, e, cols);
+    mat_rows(p->fo_t, p->po, no, no, y + cols, 2 * cols, cols, o, cols);
+    for (int64_t i = 0; i < no; i++)
+        for (int64_t c = 0; c < cols; c++) {
+            x[i * cols + c] = e[i * cols + c] + o[i * cols + c];
+            x[(n - 1 - i) * cols + c] = e[i * cols + c] - o[i * cols + c];
+        }
+    if (n & 1)
+        memcpy(x + no * cols, e + no * cols, (size_t)cols * sizeof(float));
+}
+
+/* Full 2D transform of one map (forward: rows then columns; inverse: columns then rows). */
+static void map_transform(const half_plan *ph, const half_plan *pw, const float *src, float *dst,
+                          int inverse, float *tmp, float *scratch) {
+    const int64_t h = ph->n, w = pw->n;
+    if (inverse) {
+        cols_inverse(ph, src, w, tmp, scratch);
+        rows_inverse(pw, tmp, h, dst, scratch);
+    } else {
+        rows_forward(pw, src, h, tmp, scratch);
+        cols_forward(ph, tmp, w, dst, scratch);
+    }
+}
+
+static int make_plans(half_plan *ph, half_plan *pw, int64_t h, int64_t w) {
+    if (make_plan(ph, h))
+        return -1;
+    if (make_plan(pw, w)) {
+        free_plan(ph);
+        return -1;
+    }
+    return 0;
+}
+
+/* Per-thread scratch of a full transform: the intermediate map and the butterfly buffers. */
+static size_t scratch_floats(int64_t h, int64_t w) {
+    return (size_t)(2 * h * w + 3 * GROUP * w + 4);
+}
+
+/* A large output buffer is usually fresh from mmap, and faulting it in 4 KiB pages costs as much
+ * as the transform itself; ask for transparent huge pages on its 2 MiB-aligned interior first
+ * (advice only: a no-op where THP is off, or for pages already touched). */
+static void advise_huge(void *p, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    const uintptr_t huge = (uintptr_t)2 << 20, start = ((uintptr_t)p + huge - 1) & ~(huge - 1);
+    const uintptr_t end = ((uintptr_t)p + (uintptr_t)bytes) & ~(huge - 1);
+    if (bytes >= (int64_t)(4 * huge) && end > start)
+        madvise((void *)start, end - start, MADV_HUGEPAGE);
+#else
+    (void)p;
+    (void)bytes;
+#endif
+}
+
+int freqact_dct(int64_t maps, int64_t h, int64_t w, const float *src, float *dst, int inverse,
+                int threads) {
+    half_plan ph, pw;
+    if (make_plans(&ph, &pw, h, w))
+        return -1;
+    advise_huge(dst, maps * h * w * (int64_t)sizeof(float));
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *tmp = malloc(scratch_floats(h, w) * sizeof(float));
+        failed = tmp == NULL;
+#pragma omp for schedule(dynamic, 8)
+        for (int64_t m = 0; m < maps; m++)
+            if (tmp)
+                map_transform(&ph, &pw, src + m * h * w, dst + m * h * w, inverse, tmp,
+                              tmp + h * w);
+        free(tmp);
+    }
+    free_plan(&ph);
+    free_plan(&pw);
+    return failed ? -1 : 0;
+}
+
+/* dst (maps, wh, ww) = the top-left wh x ww DCT coefficients of each (h, w) map of src:
+ * columns first (only wh output rows), then the wh rows against D_w[:ww]^T. */
+int freqact_dct_corner(int64_t maps, int64_t h, int64_t w, int64_t wh, int64_t ww,
+                       const float *src, float *dst, int threads) {
+    float *dh = leading_rows(wh, h, 0), *dw_t = leading_rows(ww, w, 1);
+    int failed = dh == NULL || dw_t == NULL;
+    if (!failed) {
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+        {
+            float *s = malloc((size_t)(wh * w) * sizeof(float));
+            failed = s == NULL;
+#pragma omp for schedule(dynamic, 8)
+            for (int64_t m = 0; m < maps; m++)
+                if (s) {
+                    mat_rows(dh, padded(h), wh, h, src + m * h * w, w, w, s, w);
+                    for (int64_t k = 0; k < wh; k++)
+                        vec_mat(s + k * w, w, dw_t, ww, dst + (m * wh + k) * ww);
+                }
+            free(s);
+        }
+    }
+    free(dh);
+    free(dw_t);
+    return failed ? -1 : 0;
+}
+
+/* dst (maps, h, w) = the inverse DCT of each (wh, ww) corner of src, zeros elsewhere:
+ * rows first (r = C D_w[:ww], wh x w), then x = D_h[:wh]^T r. */
+int freqact_idct_corner(int64_t maps, int64_t h, int64_t w, int64_t wh, int64_t ww,
+                        const float *src, float *dst, int threads) {
+    float *dh_t = leading_rows(wh, h, 1), *dw = leading_rows(ww, w, 0);
+    int failed = dh_t == NULL || dw == NULL;
+    advise_huge(dst, maps * h * w * (int64_t)sizeof(float));
+    if (!failed) {
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+        {
+            float *r = malloc((size_t)(wh * w) * sizeof(float));
+            failed = r == NULL;
+#pragma omp for schedule(dynamic, 8)
+            for (int64_t m = 0; m < maps; m++)
+                if (r) {
+                    for (int64_t k = 0; k < wh; k++)
+                        vec_mat(src + (m * wh + k) * ww, ww, dw, w, r + k * w);
+                    mat_rows(dh_t, padded(wh), h, wh, r, w, w, dst + m * h * w, w);
+                }
+            free(r);
+        }
+    }
+    free(dh_t);
+    free(dw);
+    return failed ? -1 : 0;
+}
+
+/* Per map: low[m] = sum of X^2 over the top-left wh x ww coefficients, high[m] = over the rest
+ * (X = the map's DCT, squares summed in double). */
+int freqact_band_energy(int64_t maps, int64_t h, int64_t w, int64_t wh, int64_t ww,
+                        const float *src, double *low, double *high, int threads) {
+    half_plan ph, pw;
+    if (make_plans(&ph, &pw, h, w))
+        return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *tmp = malloc((scratch_floats(h, w) + (size_t)(h * w)) * sizeof(float));
+        failed = tmp == NULL;
+#pragma omp for schedule(dynamic, 8)
+        for (int64_t m = 0; m < maps; m++)
+            if (tmp) {
+                float *coeffs = tmp + scratch_floats(h, w);
+                map_transform(&ph, &pw, src + m * h * w, coeffs, 0, tmp, tmp + h * w);
+                double lo = 0.0, hi = 0.0;
+                for (int64_t k = 0; k < h; k++)
+                    for (int64_t j = 0; j < w; j++) {
+                        const double c = coeffs[k * w + j];
+                        if (k < wh && j < ww)
+                            lo += c * c;
+                        else
+                            hi += c * c;
+                    }
+                low[m] = lo;
+                high[m] = hi;
+            }
+        free(tmp);
+    }
+    free_plan(&ph);
+    free_plan(&pw);
+    return failed ? -1 : 0;
+}
