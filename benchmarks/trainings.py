@@ -7,7 +7,7 @@ accuracy (GPT: next-byte accuracy) as mean +- sample std over the seeds, and per
 differences DIVISION - normal of the same seed (same initial weights and data order), their mean
 +- std and each seed's value. Prints the tables and writes benchmarks/results/<preset>-cpu.json.
 
-    python -m benchmarks.trainings --data-dir ../shared/data        # ~12 min on 2 shared cores
+    python -m benchmarks.trainings --data-dir ../shared/data        # 10-15 min on 2 shared cores
     python -m benchmarks.trainings --spec my.toml --out sweeps/mine  # another study, same summary
 """
 from __future__ import annotations
