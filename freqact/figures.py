@@ -80,10 +80,19 @@ class Figure:
     rows: list[dict]
 
 
+# The paper's symbols for the codec settings (W/N kept fraction, B block size, Q HFC bits).
+_SYMBOLS = {"ratio": "W/N", "block": "B", "bits": "Q"}
+
+
+def settings_label(config: dict) -> str:
+    """A run's codec settings in the paper's symbols, e.g. "B=8, Q=2"; "" for normal/exact."""
+    params = train.RunConfig.from_dict(config).label_params()
+    return ", ".join(f"{_SYMBOLS.get(k, k)}={v}" for k, v in params.items())
+
+
 def run_label(config: dict) -> str:
-    """A short label of a run's mode and codec settings, e.g. "division (block=8, bits=2)"."""
-    settings = ", ".join(f"{k}={v}" for k, v in
-                         train.RunConfig.from_dict(config).label_params().items())
+    """A short label of a run's mode and codec settings, e.g. "division (B=8, Q=2)"."""
+    settings = settings_label(config)
     return f"{config['mode']} ({settings})" if settings else config["mode"]
 
 
