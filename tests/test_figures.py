@@ -51,6 +51,12 @@ def test_run_label_names_mode_and_codec_settings(config, label):
     assert figures.run_label(config) == label
 
 
+def test_describe_names_model_data_set_and_subset():
+    config = {"model": "resnet20", "dataset": "cifar10", "subset": 5000, "batch_size": 128}
+    assert figures.describe(config) == "resnet20 on CIFAR-10 (5000 training images)"
+    assert figures.describe({**config, "dataset": "digits", "subset": None}) == "resnet20 on scikit-learn digits"
+
+
 def test_read_config_refuses_a_folder_without_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         train.read_config(tmp_path)
