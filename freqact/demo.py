@@ -245,6 +245,18 @@ def _has_cifar10(root: Path) -> bool:
     return True
 
 
+def _training_row(mode: str, result: dict, totals: dict) -> str:
+    """One row of report.md's training table: a run's accuracy (%), loss, speed and memory."""
+    metrics = result["metrics"]
+    final = metrics[-1]
+    total = totals[figures.run_label(result["config"])]
+    return (f"| {mode} | {figures.settings_label(result['config']) or '–'} | "
+            f"{100 * final['test_acc']:.1f} | {100 * max(m['test_acc'] for m in metrics):.1f} | "
+            f"{final['train_loss']:.3f} | {sum(m['images_per_s'] for m in metrics) / len(metrics):.0f} | "
+            f"{total['saved_bytes'] / 2**20:.2f} / {total['exact_bytes'] / 2**20:.2f} | "
+            f"{total['ratio']:.1f} |")
+
+
 def _report(plan: Plan, choice: DataChoice, results: dict, figs: dict, out: Path,
             timings: list[tuple[str, float]], started: float) -> str:
     """The text of report.md."""
@@ -283,16 +295,7 @@ def _report(plan: Plan, choice: DataChoice, results: dict, figs: dict, out: Path
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     totals = {row["run"]: row for row in figures.memory_totals(figs["compression"].rows)}
-    for mode in MODES:
-        metrics = results[mode]["metrics"]
-        final = metrics[-1]
-        total = totals[figures.run_label(results[mode]["config"])]
-        lines.append(
-            f"| {mode} | {figures.settings_label(results[mode]['config']) or '–'} | "
-            f"{100 * final['test_acc']:.1f} | {100 * max(m['test_acc'] for m in metrics):.1f} | "
-            f"{final['train_loss']:.3f} | {sum(m['images_per_s'] for m in metrics) / len(metrics):.0f} | "
-            f"{total['saved_bytes'] / 2**20:.2f} / {total['exact_bytes'] / 2**20:.2f} | "
-            f"{total['ratio']:.1f} |")
+    lines += [_training_row(mode, results[mode], totals) for mode in MODES]
     steps = -(-plan.subset // plan.batch_size)  # per epoch, fewer if the training set is smaller
     lines += [
         "",

@@ -201,23 +201,27 @@ def training_figure(rows: Sequence[dict], stem: str | os.PathLike,
     # one legend for both curve panels, below them, where it covers no point
     axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.18), ncol=2)
     if memory is not None:
-        ax = axes[2]
-        pos = np.arange(len(memory))
-        mib = 2.0 ** 20
-        ax.bar(pos, [r["exact_bytes"] / mib for r in memory], fill=False, edgecolor="black",
-               label="plain PyTorch")
-        bars = ax.bar(pos, [r["saved_bytes"] / mib for r in memory], width=0.6,
-                      color=[f"C{i}" for i in range(len(memory))], label="cached")
-        for bar, r in zip(bars, memory):
-            ratio = r["exact_bytes"] / r["saved_bytes"] if r["saved_bytes"] else float("inf")
-            ax.annotate(f"{ratio:.1f}×", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(pos)
-        ax.set_xticklabels([r["run"] for r in memory], rotation=30, ha="right", fontsize=7)
-        ax.set_ylabel("MiB cached, one training batch")
-        ax.set_ylim(0, 1.3 * max(r["exact_bytes"] for r in memory) / mib)  # room for the legend
-        ax.legend(fontsize=7, loc="upper right", ncol=2)
+        _memory_panel(axes[2], memory)
     return _save(fig, stem, note)
+
+
+def _memory_panel(ax, memory: Sequence[dict]) -> None:
+    """Bars of each run's cached MiB inside outlines of plain PyTorch's, labelled with the ratio."""
+    pos = np.arange(len(memory))
+    mib = 2.0 ** 20
+    ax.bar(pos, [r["exact_bytes"] / mib for r in memory], fill=False, edgecolor="black",
+           label="plain PyTorch")
+    bars = ax.bar(pos, [r["saved_bytes"] / mib for r in memory], width=0.6,
+                  color=[f"C{i}" for i in range(len(memory))], label="cached")
+    for bar, r in zip(bars, memory):
+        ratio = r["exact_bytes"] / r["saved_bytes"] if r["saved_bytes"] else float("inf")
+        ax.annotate(f"{ratio:.1f}×", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(pos)
+    ax.set_xticklabels([r["run"] for r in memory], rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("MiB cached, one training batch")
+    ax.set_ylim(0, 1.3 * max(r["exact_bytes"] for r in memory) / mib)  # room for the legend
+    ax.legend(fontsize=7, loc="upper right", ncol=2)
 
 
 def compression_figure(rows: Sequence[dict], stem: str | os.PathLike, *, note: str = "") -> list[Path]:
