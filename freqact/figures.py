@@ -51,13 +51,17 @@ CAPTIONS = {
                 "LFC-ACT vs HFC-ACT vs normal training (the paper's Fig. 3 b, c), with DIVISION.",
     "theorem31": "Theorem 3.1 per conv layer of the analysis run's last checkpoint: (a) the "
                  "weight-gradient error when only that layer caches its input's LFC (err^L) or HFC "
-                 "(err^H), against the bounds GEB^L, GEB^H; (b) the bounds' tightness err/GEB; "
-                 "(c) err^L / err^H measured directly.",
+                 "(err^H), against the bounds GEB^L = c‖∇y‖λ^H, GEB^H = c‖∇y‖λ^L (c: the layer's "
+                 "kernel factor, √ of the most kernel taps that read one input element); (b) the "
+                 "bounds' tightness err/GEB; (c) err^L / err^H measured directly; (d) the "
+                 "whole-network gradient cosine with the exact gradient per checkpoint.",
     "pooling": "DIVISION's block-mean LFC against the DCT low-pass keeping W/N = 1/B, per activation "
                "map and block size B: their relative distance and the energy share each captures "
-               "(Theorem 4.1: average pooling is a low-pass filter).",
-    "compression": "Bytes each layer caches for backward in each run's mode (one training batch), and "
-                   "their running total along the forward pass against plain PyTorch's. A storage "
+               "(Theorem 4.1: average pooling is a low-pass filter). The distance is 0 where B covers "
+               "the whole map: both then keep its mean alone.",
+    "compression": "Bytes each layer caches for backward in each run's mode (one training batch; layers "
+                   "in forward order from the top), and their running total along the forward pass "
+                   "against plain PyTorch's. A storage "
                    "several layers save belongs to the first (a conv reading a ReLU's output shows "
                    "no plain bytes: the ReLU holds them).",
 }
@@ -80,11 +84,29 @@ class Figure:
     rows: list[dict]
 
 
+# How figures name the data sets of `freqact.data.DATASETS`.
+_DATASET_NAMES = {"cifar10": "CIFAR-10", "cifar100": "CIFAR-100", "digits": "scikit-learn digits",
+                  "synthetic": "synthetic data"}
+# The paper's symbols for the codec settings (W/N kept fraction, B block size, Q HFC bits).
+_SYMBOLS = {"ratio": "W/N", "block": "B", "bits": "Q"}
+
+
+def settings_label(config: dict) -> str:
+    """A run's codec settings in the paper's symbols, e.g. "B=8, Q=2"; "" for normal/exact."""
+    params = train.RunConfig.from_dict(config).label_params()
+    return ", ".join(f"{_SYMBOLS.get(k, k)}={v}" for k, v in params.items())
+
+
 def run_label(config: dict) -> str:
-    """A short label of a run's mode and codec settings, e.g. "division (block=8, bits=2)"."""
-    settings = ", ".join(f"{k}={v}" for k, v in
-                         train.RunConfig.from_dict(config).label_params().items())
+    """A short label of a run's mode and codec settings, e.g. "division (B=8, Q=2)"."""
+    settings = settings_label(config)
     return f"{config['mode']} ({settings})" if settings else config["mode"]
+
+
+def describe(config: dict) -> str:
+    """A run's model and data for figure notes, e.g. "resnet20 on CIFAR-10 (5000 training images)"."""
+    images = f" ({config['subset']} training images)" if config.get("subset") else ""
+    return f"{config['model']} on {_DATASET_NAMES.get(config['dataset'], config['dataset'])}{images}"
 
 
 def layer_memory(path: str | os.PathLike, *, images: int | None = None,
@@ -173,6 +195,8 @@ def make_all(
                for label, r in zip(labels, runs)
                for row in rundir.RunDir(r).read_metrics(numbers=TRAINING_COLUMNS)]
     main_run = _analysis_run(runs, configs, analysis_run)
+    main_config = configs[runs.index(main_run)]
+    model_data = describe(main_config)
     out = Path(out)
     say = progress or (lambda line: None)
     made: dict[str, Figure] = {}
@@ -180,28 +204,38 @@ def make_all(
     say(f"lambdas: λ per block output across the checkpoints of {main_run}")
     rows = lambdas.from_checkpoints([main_run], ratio=ratio, images=lambda_images,
                                     data_dir=data_dir, device=device)
-    made["lambdas"] = _figure("lambdas", out, rows, plots.lambdas_figure)
+    made["lambdas"] = _figure("lambdas", out, rows, plots.lambdas_figure,
+                              f"{main_run.name} run: {model_data}; {lambda_images} test images, W/N = {ratio}")
 
     say("memory: bytes cached per layer, one training batch per run")
     memory = [{"run": label, **row} for label, path in zip(labels, map(_last_checkpoint, runs))
               for row in layer_memory(path, images=memory_images, data_dir=data_dir, device=device)]
     totals = memory_totals(memory)
+    trained = "; ".join(dict.fromkeys(f"{describe(c)}, batch {c['batch_size']}" for c in configs))
+    memory_note = f"memory: one training batch of {totals[0]['images']} test images"
     made["training"] = _figure(
-        "training", out, metrics, lambda rows, stem: plots.training_figure(rows, stem, memory=totals))
+        "training", out, metrics,
+        lambda rows, stem, note: plots.training_figure(rows, stem, memory=totals, note=note),
+        f"{trained}; {memory_note}")
 
     main_ckpt = _last_checkpoint(main_run)
     model, ckpt = checkpoint.load_model(main_ckpt, device)
     say(f"theorem31: gradient errors vs bounds on {main_ckpt}")
     x, y = common.eval_batch(model, ckpt["config"], theorem_images, data_dir, device)
     rows = theorem31.measure(model, x, y, ratio=ratio)
-    made["theorem31"] = _figure("theorem31", out, rows, plots.theorem31_figure)
+    made["theorem31"] = _figure("theorem31", out, rows, plots.theorem31_figure,
+                                f"{main_ckpt.parent.parent.name} run, last checkpoint: {model_data}; "
+                                f"a batch of {len(x)} test images, W/N = {ratio}")
 
     say(f"pooling: block means vs DCT low-pass on {main_ckpt}")
     x, _ = common.eval_batch(model, ckpt["config"], pooling_images, data_dir, device)
     rows = pooling.measure(model, x, blocks=blocks)
-    made["pooling"] = _figure("pooling", out, rows, plots.pooling_figure)
+    made["pooling"] = _figure("pooling", out, rows, plots.pooling_figure,
+                              f"{main_ckpt.parent.parent.name} run, last checkpoint: {model_data}; "
+                              f"{len(x)} test images")
 
-    made["compression"] = _figure("compression", out, memory, plots.compression_figure)
+    made["compression"] = _figure("compression", out, memory, plots.compression_figure,
+                                  f"{model_data}, each run's last checkpoint; {memory_note}")
     return made
 
 
@@ -236,9 +270,9 @@ def _codec_params(config: dict) -> dict:
     return train.RunConfig.from_dict(config).codec_params()
 
 
-def _figure(name: str, out: Path, rows: list[dict], draw: Callable) -> Figure:
-    """Write `rows` as out/NAME.csv and draw them as out/NAME.png/.pdf."""
-    files = [common.write_csv(rows, out / f"{name}.csv"), *draw(rows, out / name)]
+def _figure(name: str, out: Path, rows: list[dict], draw: Callable, note: str) -> Figure:
+    """Write `rows` as out/NAME.csv and draw them as out/NAME.png/.pdf with `note` above."""
+    files = [common.write_csv(rows, out / f"{name}.csv"), *draw(rows, out / name, note=note)]
     return Figure(name, CAPTIONS[name], files, rows)
 
 
