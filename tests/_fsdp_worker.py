@@ -7,6 +7,7 @@ read (torch.save of tensors, numbers and strings only).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 
@@ -64,7 +65,7 @@ def _shard(net: Net, mesh, *, reshard: bool, root: bool, mp=None) -> None:
 
 
 def _full_grads(net: nn.Module) -> dict:
-    """Every gradient, whole: DTensor shards gathered, plain ones averaged over the ranks."""
+    """Every gradient, whole: DTensor shards gathered, plain ones (already equal) averaged again."""
     out = {}
     for name, p in net.named_parameters():
         if p.grad is None:  # frozen
@@ -83,7 +84,7 @@ def _steps(net, x, y, mode, *, sync_plain: bool = False, amp: bool = False) -> t
     opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=LR)
     grads, meters = [], []
     for _ in range(2):
-        ctx = freqact.compress(net, mode) if mode else _Null()
+        ctx = freqact.compress(net, mode) if mode else contextlib.nullcontext()
         with ctx as meter, torch.autocast("cpu", torch.bfloat16, enabled=amp):
             loss = _loss(net, x, y)
         opt.zero_grad()
@@ -93,8 +94,7 @@ def _steps(net, x, y, mode, *, sync_plain: bool = False, amp: bool = False) -> t
                 if not isinstance(p, DTensor) and p.grad is not None:
                     dist.all_reduce(p.grad)
                     p.grad /= dist.get_world_size()
-        grads.append(_full_grads(net) if dist.is_initialized() and _sharded(net) else
-                     {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None})
+        grads.append(_full_grads(net))
         meters.append(_meter(meter) if mode else None)
         opt.step()
     return grads, meters
@@ -102,18 +102,6 @@ def _steps(net, x, y, mode, *, sync_plain: bool = False, amp: bool = False) -> t
 
 def _loss(net, x, y):
     return nn.functional.cross_entropy(net(x).float(), y)
-
-
-def _sharded(net) -> bool:
-    return any(isinstance(p, DTensor) for p in net.parameters())
-
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
 
 
 def _meter(meter) -> dict:

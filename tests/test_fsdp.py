@@ -31,7 +31,8 @@ def _torchrun(args: list, cwd) -> None:
            "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                *args]
-    done = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=180)
+    done = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=180,
+                          check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[:3000]
 
 
