@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
@@ -153,6 +153,37 @@ def _tensor_parallel_refused(mesh) -> str:
     return "no error"
 
 
+def _resnet(rank: int) -> dict:
+    """`freqact train --fsdp`'s sharding (distributed.wrap) of resnet20: units, exact gradients
+    (BatchNorm reads each rank's half, as the reference's halves), division meter."""
+    from freqact import distributed, models
+
+    torch.manual_seed(0)
+    base = models.get("resnet20")
+    net = copy.deepcopy(base)
+    ctx = distributed.Context(rank=rank, world_size=dist.get_world_size())
+    distributed.wrap(net, ctx, fsdp=True, blocks=models.BLOCK_TYPES)
+    gen = torch.Generator().manual_seed(2)
+    gx, gy = torch.randn(4, 3, 32, 32, generator=gen), torch.randint(0, 10, (4,), generator=gen)
+    x, y = gx[2 * rank:2 * rank + 2], gy[2 * rank:2 * rank + 2]
+    with freqact.compress(net, "exact"):
+        loss = _loss(net, x, y)
+    loss.backward()
+    grads = _full_grads(net)
+    with freqact.compress(net, "division") as meter:
+        _loss(net, x, y)
+    units = [name for name, m in net.named_modules() if isinstance(m, FSDPModule)]
+    out = {"units": units, "grads": grads, "meter": _meter(meter),
+           "local": _local_meter(base, x, y, "division")}
+    if rank == 0:
+        ref = copy.deepcopy(base)
+        for half in range(2):
+            _loss(ref, gx[2 * half:2 * half + 2], gy[2 * half:2 * half + 2]).backward()
+        out["reference"] = {n: p.grad / 2 for n, p in ref.named_parameters()}
+        out["blocks"] = [n for n, m in base.named_modules() if isinstance(m, models.BLOCK_TYPES)]
+    return out
+
+
 def main(out: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -194,6 +225,10 @@ def main(out: str) -> None:
         dist.all_gather_object(meters, results[name][1])
         results[name + "-meters"] = meters
     results["tensor-parallel"] = _tensor_parallel_refused(mesh)
+    resnet = _resnet(rank)
+    results["resnet-meters"] = [None] * dist.get_world_size()
+    dist.all_gather_object(results["resnet-meters"], (resnet.pop("meter"), resnet.pop("local")))
+    results["resnet"] = resnet
     if rank == 0:
         results["reference"] = _reference(base, gx, gy)
         results["whole"] = _whole(base, gx, gy)

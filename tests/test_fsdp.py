@@ -1,7 +1,8 @@
 """FSDP2 (`fully_shard`): `compress` on sharded models and `freqact train --fsdp`, 2 gloo processes.
 
-tests/_fsdp_worker.py runs every engine case in one torchrun launch (two SGD steps each) and saves
-the gathered gradients and meters; the tests below read that file.
+tests/_fsdp_worker.py runs every engine case in one torchrun launch (two SGD steps each, and one
+step of resnet20 sharded as `freqact train --fsdp` does) and saves the gathered gradients and
+meters; the tests below read that file.
 
 Bit-identity is against one process on the same global batch run as the ranks' two halves with the
 gradients accumulated and halved: a 2-rank sum is commutative and halving is exact, so that is
@@ -98,6 +99,15 @@ def test_tensor_parallel_parameters_are_refused_on_entry(results):
     assert "not tensor or pipeline parallel" in message
 
 
+def test_train_sharding_of_a_residual_network(results):
+    # distributed.wrap (what `freqact train --fsdp` does): one unit per block, then the root
+    resnet = results["resnet"]
+    assert resnet["units"] == ["", *resnet["blocks"]] and len(resnet["blocks"]) == 9
+    assert _equal([resnet["grads"]], [resnet["reference"]], steps=1) == []
+    for meter, local in results["resnet-meters"]:
+        assert meter == local
+
+
 # --- freqact train --fsdp -----------------------------------------------------------------------
 
 ARGS = ["-m", "freqact", "train", "--fsdp", "--model", "mlp", "--dataset", "synthetic",
@@ -130,3 +140,18 @@ def test_train_fsdp_checkpoints_whole_models_and_resumes(tmp_path):
         assert torch.equal(resumed["model"][name], value), name
     for key in ("train_loss", "test_loss", "test_acc"):
         assert resumed["metrics"][1][key] == done["metrics"][1][key]
+
+
+def test_runs_written_before_the_fsdp_setting_resume(tmp_path):
+    from freqact import checkpoint, train
+
+    config = {"model": "mlp", "dataset": "synthetic", "subset": 8, "batch_size": 8, "seed": 3,
+              "device": "cpu", "epochs": 2, "save_epochs": [1], "out": str(tmp_path / "run")}
+    done = train.train(train.RunConfig(**config))
+    first = Path(done["checkpoints"][0])
+    old = checkpoint.load(first)
+    del old["config"]["fsdp"]
+    checkpoint.save(first, old)
+    Path(done["last_checkpoint"]).unlink()
+    resumed = train.train(train.RunConfig(**config, resume=True))
+    assert resumed["metrics"][1]["train_loss"] == done["metrics"][1]["train_loss"]

@@ -51,8 +51,13 @@ def _fsdp_managed(model: nn.Module) -> set[int]:
     for module in model.modules():
         if not is_fsdp_unit(module):
             continue
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            ids.update(id(p.sharded_param) for p in group.fsdp_params if not p.is_dtensor)
+        try:
+            groups = module._get_fsdp_state()._fsdp_param_groups
+            ids.update(id(p.sharded_param) for g in groups for p in g.fsdp_params
+                       if not p.is_dtensor)
+        except AttributeError as err:  # FSDP2's internals moved in another torch version
+            raise RuntimeError(f"compress: cannot read FSDP2's parameter state in torch "
+                               f"{torch.__version__} ({err}); tested with torch 2.13") from err
     return ids
 
 
