@@ -582,15 +582,13 @@ def _eval_batches(ds: data.Dataset, net, ctx: distributed.Context, batch: int, *
                   even: bool = False) -> Iterator:
     """This rank's share (every world_size-th image) of the whole test set, in batches.
 
-    even: every rank gets as many batches (the last ones may be empty), as FSDP2 needs: each
-    forward gathers weights from all ranks.
+    even: every rank gets as many batches, as FSDP2 needs (each forward gathers weights from all
+    ranks): the share is cut into the largest rank's number of batches (none empty for batch >= 2,
+    since shares differ by at most one image; some models cannot run an empty batch).
     """
     idx = torch.arange(ctx.rank, len(ds.test_labels), ctx.world_size, device=ctx.device)
-    chunks = list(idx.split(batch))
-    if even:
-        most = math.ceil(math.ceil(len(ds.test_labels) / ctx.world_size) / batch)
-        chunks += [idx[:0]] * (most - len(chunks))
-    for chunk in chunks:
+    most = math.ceil(math.ceil(len(ds.test_labels) / ctx.world_size) / batch)
+    for chunk in idx.tensor_split(most) if even else idx.split(batch):
         yield (data.model_inputs(ds, ds.test_images[chunk], net),
                ds.test_labels[chunk])
 
