@@ -77,6 +77,8 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--resume", action="store_true", help="continue the run in --out from ckpt/last.pt (or start it)")
     add("--log-every", type=int, default=None, metavar="N",
         help="a progress line every N steps (default: every ~10%% of an epoch when not on a terminal)")
+    add("--fsdp", action="store_true",
+        help="under torchrun: shard the model with FSDP2 (fully_shard per block) instead of DDP")
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -41,7 +41,11 @@ Under `torchrun` (see `freqact.distributed`) each rank trains on its shard of ev
 per-rank batch of batch_size / world_size, compresses its own activations, and the model is
 wrapped in DistributedDataParallel; losses and accuracies are summed over ranks, the meter's bytes
 are rank 0's (the memory one device holds), and only rank 0 prints and writes files. BatchNorm
-statistics are per rank, as usual with DDP.
+statistics are per rank, as usual with DDP. With `fsdp` the model is sharded with FSDP2 instead
+(`fully_shard` on each `models.BLOCK_TYPES` block, then the root; `distributed.wrap`): each rank
+holds a shard of the weights and optimizer state, the engine treats the gathered weights as
+parameters, and checkpoints hold the whole model state dict gathered on rank 0 (so `freqact
+eval` and the analyses read them as any other) and the optimizer state keyed by parameter name.
 """
 from __future__ import annotations
 
@@ -139,6 +143,8 @@ class RunConfig(_WithCodecSettings):
             be relaunched with the same command).
         log_every: print a progress line every N training steps; None: every ~10 % of an epoch
             when stdout is not a terminal (a terminal gets a progress bar instead).
+        fsdp: under torchrun, shard the model with FSDP2 instead of wrapping it in DDP (one
+            process: no effect).
     """
 
     epochs: int = 100  # the original code's CIFAR runs (94.89 % normal, 94.72 % DIVISION)
@@ -158,6 +164,7 @@ class RunConfig(_WithCodecSettings):
     save_every: int | None = None
     resume: bool = False
     log_every: int | None = None
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
         _validate.choice("dataset", self.dataset, data.DATASETS)
@@ -337,10 +344,10 @@ def _setup(config: RunConfig, ctx: distributed.Context, model: torch.nn.Module |
     distributed.barrier(ctx)
     ds = data.load_for_model(config.dataset, net, config.data_dir, subset=config.subset,
                              seed=config.seed, device=ctx.device)
+    ddp = distributed.wrap(net, ctx, fsdp=config.fsdp, blocks=models.BLOCK_TYPES)
+    # after wrap: FSDP2 replaces the parameters by their shards
     optimizer = torch.optim.SGD(net.parameters(), lr=config.lr, momentum=config.momentum,
                                 weight_decay=config.weight_decay)
-    ddp = net if ctx.world_size == 1 else torch.nn.parallel.DistributedDataParallel(
-        net, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     return _Trainer(
         config, ctx, run, net, ddp, ds, optimizer,
         torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.epochs),
@@ -366,9 +373,10 @@ def _resume(state: _Trainer) -> None:
     if ckpt is None:
         say(f"resume: {run} has no checkpoint yet; starting at epoch 1", flush=True)
         return
-    rundir.check_resumable(ckpt["config"], state.stored_config, path)
-    state.net.load_state_dict(ckpt["model"])
-    state.optimizer.load_state_dict(ckpt["optimizer"])
+    # runs written before the fsdp setting existed were not sharded
+    rundir.check_resumable({"fsdp": False, **ckpt["config"]}, state.stored_config, path)
+    distributed.load_full_state(state.net, state.optimizer, ckpt["model"], ckpt["optimizer"], ctx,
+                                state.config.fsdp)
     state.scheduler.load_state_dict(ckpt["scheduler"])
     state.scaler.load_state_dict(ckpt["scaler"])
     _set_rng(ckpt["rng"], ctx, state.aug_gen)
@@ -389,8 +397,8 @@ def _epoch(state: _Trainer, epoch: int) -> dict:
     row["lr"] = state.scheduler.get_last_lr()[0]
     state.scheduler.step()
     test = _summarise(distributed.all_reduce_sum(
-        _eval_sums(state.net, _eval_batches(state.ds, state.net, ctx, 2 * config.batch_size),
-                   ctx.device), ctx))
+        _eval_sums(state.net, _eval_batches(state.ds, state.net, ctx, 2 * config.batch_size,
+                                            even=config.fsdp), ctx.device), ctx))
     row.update(test_loss=test["loss"], test_acc=test["accuracy"])
     return {c: row.get(c) for c in METRIC_COLUMNS}
 
@@ -400,10 +408,11 @@ def _save(state: _Trainer, epoch: int, row: dict) -> None:
     config, ctx, run = state.config, state.ctx, state.run
     state.metrics.append(row)
     rng = distributed.all_gather(_get_rng(ctx, state.aug_gen), ctx)
+    model, optim = distributed.full_state(state.net, state.optimizer, ctx, config.fsdp)
     if not ctx.is_main:
         return
     ckpt = {"format": checkpoint.FORMAT, "epoch": epoch, "config": state.stored_config,
-            "model": state.net.state_dict(), "optimizer": state.optimizer.state_dict(),
+            "model": model, "optimizer": optim,
             "scheduler": state.scheduler.state_dict(), "scaler": state.scaler.state_dict(),
             "rng": {key: [r[key] for r in rng] for key in rng[0]}, "metrics": state.metrics}
     every = config.save_every
@@ -569,10 +578,17 @@ def _compressing(net: torch.nn.Module, config: RunConfig):
     return engine.compress(net, config.mode, **config.codec_params())
 
 
-def _eval_batches(ds: data.Dataset, net, ctx: distributed.Context, batch: int) -> Iterator:
-    """This rank's share (every world_size-th image) of the whole test set, in batches."""
+def _eval_batches(ds: data.Dataset, net, ctx: distributed.Context, batch: int, *,
+                  even: bool = False) -> Iterator:
+    """This rank's share (every world_size-th image) of the whole test set, in batches.
+
+    even: every rank gets as many batches, as FSDP2 needs (each forward gathers weights from all
+    ranks): the share is cut into the largest rank's number of batches (none empty for batch >= 2,
+    since shares differ by at most one image; some models cannot run an empty batch).
+    """
     idx = torch.arange(ctx.rank, len(ds.test_labels), ctx.world_size, device=ctx.device)
-    for chunk in idx.split(batch):
+    most = math.ceil(math.ceil(len(ds.test_labels) / ctx.world_size) / batch)
+    for chunk in idx.tensor_split(most) if even else idx.split(batch):
         yield (data.model_inputs(ds, ds.test_images[chunk], net),
                ds.test_labels[chunk])
 

@@ -13,7 +13,7 @@ from freqact import codecs as _codecs
 from freqact.codecs import base as _codec_base
 from freqact.codecs.base import Codec
 from freqact.engine.meter import Meter
-from freqact.engine.params import ParamIndex
+from freqact.engine.params import ParamIndex, is_fsdp_unit
 from freqact.engine.routes import (
     KEEP,
     PARAMETER,
@@ -266,6 +266,8 @@ class _Compress:
     def _push(self, site: Site, module, args, kwargs) -> None:
         if threading.get_ident() != self._thread:
             return  # another thread's plain forward: its saves are not ours
+        if is_fsdp_unit(module):  # FSDP2's pre-forward hook (run before this one) unsharded it
+            self._params.moved()
         if site.kind is Kind.NONE:
             self._stack.append((site, None))
             return
@@ -274,8 +276,11 @@ class _Compress:
 
     def _pop(self, module, args, output) -> None:
         # always_call also runs this hook when an earlier pre-hook raised before our push.
-        if (threading.get_ident() == self._thread and self._stack
-                and self._stack[-1][0].module is module):
+        if threading.get_ident() != self._thread:
+            return
+        if is_fsdp_unit(module):  # FSDP2's post-forward hook (run before this one) may reshard
+            self._params.moved()
+        if self._stack and self._stack[-1][0].module is module:
             self._stack.pop()
 
     # -- the pack hook ---------------------------------------------------------------------------
@@ -289,7 +294,7 @@ class _Compress:
             self.meter._record(site.name, site.type_name, KEEP.label)
             return _encode(KEEP, t)
         ptr = storage.data_ptr()
-        if self._params.derived(t, ptr, site.params):
+        if self._params.derived(t, ptr, site.module):
             return _encode(PARAMETER, t)
         route = choose(site, self._describe(t, x))
         self.meter._record(site.name, site.type_name, route.label)

@@ -143,7 +143,6 @@ class Site:
     Attributes:
         name: qualified name ("" for the model itself); type_name: its class name.
         kind: its routing kind (Kind.NONE when include/exclude leave it out).
-        params: its own parameters and buffers (to tell a frozen weight's autocast copy apart).
         hardtanh: the hardtanh-mask route with the module's range (Kind.HARDTANH only).
         maxpool: maxpool-indices routes by input size, built on first use.
     """
@@ -153,14 +152,11 @@ class Site:
     kind: Kind
     routes: Routes
     type_name: str = field(init=False)
-    params: tuple = field(init=False)
     hardtanh: Route | None = field(init=False, default=None)
     maxpool: dict = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.type_name = type(self.module).__name__
-        self.params = (tuple(self.module.parameters(recurse=False))
-                       + tuple(self.module.buffers(recurse=False)))
         if self.kind is Kind.HARDTANH:
             self.hardtanh = KEEP if not self.routes.masks else Route(
                 "hardtanh-mask", HardtanhMask(self.module.min_val, self.module.max_val))
