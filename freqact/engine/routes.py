@@ -367,9 +367,12 @@ def _product(site: Site, saved: Saved) -> Route | None:
     return site.routes.codec if t.dim() >= 2 else KEEP
 
 
+_SOFTMAX_NODES = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0"})
+
+
 def _probabilities(site: Site, saved: Saved) -> Route | None:
     t = saved.tensor
-    if saved.op != "SoftmaxBackward0":
+    if saved.op not in _SOFTMAX_NODES:
         return KEEP
     # A causal or masked softmax has exact zeros; decoded noise there would carry gradient.
     if t.dim() < 3 or bool((t == 0).any()):
@@ -395,7 +398,7 @@ def _sdpa(site: Site, saved: Saved) -> Route:
 def _attention_module(site: Site, saved: Saved) -> Route:
     # F.multi_head_attention_forward (nn.MultiheadAttention): its projections' inputs and the
     # probabilities (need_weights=True); q, k, v and SDPA's own saves stay exact.
-    if saved.op == "SoftmaxBackward0":
+    if saved.op in _SOFTMAX_NODES:
         return _probabilities(site, saved)
     x = _tensor_arg(saved, 0)
     t = saved.tensor
@@ -406,7 +409,7 @@ def _attention_module(site: Site, saved: Saved) -> Route:
 
 def _matmul(site: Site, saved: Saved) -> Route:
     # Eager attention's probabilities (P @ v); q, k, v of eager attention stay exact.
-    return _probabilities(site, saved) if saved.op == "SoftmaxBackward0" else KEEP
+    return _probabilities(site, saved) if saved.op in _SOFTMAX_NODES else KEEP
 
 
 _ACTIVATIONS = ("gelu", "silu", "hardswish", "hardsigmoid", "mish", "elu", "selu", "celu",
