@@ -14,7 +14,6 @@ from freqact.codecs import base as _codec_base
 from freqact.codecs.base import Codec
 from freqact.engine.meter import Meter
 from freqact.engine.params import ParamIndex
-from freqact.engine.tracker import FunctionTracker
 from freqact.engine.routes import (
     KEEP,
     PARAMETER,
@@ -26,6 +25,7 @@ from freqact.engine.routes import (
     kind_of,
     route_for,
 )
+from freqact.engine.tracker import FunctionTracker
 
 __all__ = ["compress"]
 

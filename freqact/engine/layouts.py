@@ -72,7 +72,7 @@ class TokenChannels(Codec):
 
     whole_model = False
 
-    def __init__(self, division: Division) -> None:  # noqa: D107 (settings are the codec's)
+    def __init__(self, division: Division) -> None:
         self.division = division
         self.name = division.name
 

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from freqact.codecs.base import Codec, Exact
-from freqact.codecs.division import Division
 from freqact.codecs.cheap import (
     DropoutMask,
     HardtanhMask,
@@ -26,6 +25,7 @@ from freqact.codecs.cheap import (
     ShapeOnly,
     SignMask,
 )
+from freqact.codecs.division import Division
 from freqact.engine.layouts import TokenChannels, packed_nbytes, token_view
 
 __all__ = ["DEFAULT_TYPES", "Kind", "Route", "Routes", "Saved", "Site", "choose", "kind_of",
