@@ -307,7 +307,10 @@ class _Compress:
             return _encode(PARAMETER, t)
         route, view = route_for(site, self._describe(t, x, self._functions.current))
         self.meter._record(site.name, site.type_name, route.label)
-        key = (ptr, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version, id(route))
+        # Contiguous tensors read through the same token view hold the same elements (a
+        # softmax's (N, heads, T, T) output and matmul's (N * heads, T, T) view of it).
+        layout = (view, ()) if view is not None and t.is_contiguous() else (t.shape, t.stride())
+        key = (ptr, t.storage_offset(), *layout, t.dtype, t._version, id(route))
         hit = self._dedup.get(key)
         packed = hit[1]() if hit is not None and hit[0]() is storage else None
         owner = self._charged_to(ptr, storage, site)

@@ -297,6 +297,8 @@ _FLOAT_CHOOSERS: dict[Kind, Callable[[Site, Saved], Route | None]] = {
 _VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
                          "AddBackward0"})
 _MATMUL_NODES = frozenset({"AddmmBackward0", "MmBackward0", "BmmBackward0", "LinearBackward0"})
+# Between a softmax and the operand matmul saves: its broadcast, a dropout.
+_MATMUL_PATH = frozenset({"ExpandBackward0", "NativeDropoutBackward0"})
 
 
 def _tensor_arg(saved: Saved, index: int) -> torch.Tensor | None:
@@ -370,9 +372,10 @@ def _product(site: Site, saved: Saved) -> Route | None:
 _SOFTMAX_NODES = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0"})
 
 
-def _probabilities(site: Site, saved: Saved) -> Route | None:
+def _probabilities(site: Site, saved: Saved, softmax: bool = False) -> Route | None:
+    """Args: softmax: t is known to be a softmax's output (e.g. through a dropout)."""
     t = saved.tensor
-    if saved.op not in _SOFTMAX_NODES:
+    if not softmax and saved.op not in _SOFTMAX_NODES:
         return KEEP
     # A causal or masked softmax has exact zeros; decoded noise there would carry gradient.
     if t.dim() < 3 or bool((t == 0).any()):
@@ -408,8 +411,14 @@ def _attention_module(site: Site, saved: Saved) -> Route:
 
 
 def _matmul(site: Site, saved: Saved) -> Route:
-    # Eager attention's probabilities (P @ v); q, k, v of eager attention stay exact.
-    return _probabilities(site, saved) if saved.op in _SOFTMAX_NODES else KEEP
+    # Eager attention's probabilities (P @ v), also after a dropout (whose zeros keep them
+    # exact when p > 0); q, k, v of eager attention stay exact.
+    node = saved.tensor.grad_fn  # matmul saves (N * heads, T, T) views of 4D operands
+    while node is not None and type(node).__name__ in _VIEW_NODES | _MATMUL_PATH:
+        node = node.next_functions[0][0] if node.next_functions else None
+    if node is not None and type(node).__name__ in _SOFTMAX_NODES:
+        return _probabilities(site, saved, softmax=True)
+    return KEEP
 
 
 _ACTIVATIONS = ("gelu", "silu", "hardswish", "hardsigmoid", "mish", "elu", "selu", "celu",
