@@ -122,11 +122,12 @@ def test_feat_chan_bytes_equal_the_reference_on_the_two_views(backend):
 
 def test_eager_attention_probabilities_are_packed_once_through_matmul():
     s = torch.randn(4, 2, 64, 64, requires_grad=True)
-    v = torch.randn(4, 2, 64, 16)  # no grad: matmul saves only the probabilities
+    v = torch.randn(4, 2, 64, 16, requires_grad=True)
 
     def eager(s):
         return torch.matmul(F.dropout(s.softmax(-1), p=0.0, training=True), v)
     routes = _routes(Fn(eager), s)
     codec = TokenChannels(codecs.get("division"))
     assert routes["division feat/chan"]["count"] == 2  # softmax's save and matmul's view
+    assert routes["kept"]["count"] == 1  # v
     assert routes["division feat/chan"]["saved_bytes"] == packed_nbytes(codec, (8, 64, 64))

@@ -315,6 +315,9 @@ class _Compress:
         packed = hit[1]() if hit is not None and hit[0]() is storage else None
         owner = self._charged_to(ptr, storage, site)
         if packed is not None:
+            if packed.shape is not None and packed.shape != t.shape:
+                # the same elements through another view of the storage: decode to t's shape
+                return _Packed(route, packed.data, shape=t.shape)
             return packed
         packed = _encode(route, t, view)
         self._dedup[key] = (weakref.ref(storage), weakref.ref(packed))
