@@ -22,9 +22,10 @@ from freqact.engine.routes import (
     Routes,
     Saved,
     Site,
-    choose,
     kind_of,
+    route_for,
 )
+from freqact.engine.tracker import FunctionTracker
 
 __all__ = ["compress"]
 
@@ -39,12 +40,13 @@ _HOOKED_LOCK = threading.Lock()
 class _Packed:
     """What a SavedVariable holds: its route and packed form (never the input itself)."""
 
-    __slots__ = ("__weakref__", "data", "memory_format", "route")
+    __slots__ = ("__weakref__", "data", "memory_format", "route", "shape")
 
-    def __init__(self, route: Route, data, memory_format=None) -> None:
+    def __init__(self, route: Route, data, memory_format=None, shape=None) -> None:
         self.route = route
         self.data = data
         self.memory_format = memory_format
+        self.shape = shape  # the saved shape when the codec read a token view of it
 
 
 def _memory_format(t: torch.Tensor):
@@ -57,9 +59,11 @@ def _memory_format(t: torch.Tensor):
     return None
 
 
-def _encode(route: Route, t: torch.Tensor) -> _Packed:
+def _encode(route: Route, t: torch.Tensor, view=None) -> _Packed:
     if not route.copies:
         return _Packed(route, route.codec.encode(t))
+    if view is not None:
+        return _Packed(route, route.codec.encode(t.reshape(view)), shape=t.shape)
     data = route.codec.encode(t.t() if route.channels else t)
     return _Packed(route, data, _memory_format(t))
 
@@ -67,6 +71,8 @@ def _encode(route: Route, t: torch.Tensor) -> _Packed:
 def _unpack(packed: _Packed) -> torch.Tensor:
     # Decoding never frees the packed form, so retain_graph=True can unpack twice.
     x = packed.route.codec.decode(packed.data)
+    if packed.shape is not None:
+        return x.view(packed.shape)
     if packed.route.channels:
         x = x.t()
     if packed.memory_format is not None:
@@ -136,15 +142,18 @@ def _build_codec(codec, params: dict) -> Codec:
     return _codecs.get(codec, **params) if isinstance(codec, str) else codec
 
 
-def _kind(name: str, module: nn.Module, include, inc: tuple, exc: tuple) -> Kind:
-    """The module's routing kind after include/exclude (exclude wins)."""
+def _kind(name: str, module: nn.Module, include, inc: tuple, exc: tuple) -> tuple[Kind, bool]:
+    """The module's routing kind after include/exclude (exclude wins), and whether the ops run
+    directly in it are routed by op (everywhere without include; in included names only)."""
     kind = kind_of(module)
     if include is not None:
         if not _matches(name, module, *inc):
             kind = Kind.NONE
         elif kind is Kind.NONE and inc[0] and isinstance(module, inc[0]):
             kind = Kind.CODEC
-    return Kind.NONE if _matches(name, module, *exc) else kind
+    if _matches(name, module, *exc):
+        return Kind.NONE, False
+    return kind, include is None or _matches(name, module, *inc)
 
 
 def compress(model: nn.Module, codec: str | Codec = "division", *, include=None, exclude=None,
@@ -185,8 +194,10 @@ class _Compress:
         inc = _split_selectors("include", include, set(named))
         exc = _split_selectors("exclude", exclude, set(named))
         routes = Routes.for_codec(self.codec)
-        self._sites = [Site(name, module, _kind(name, module, include, inc, exc), routes)
-                       for name, module in named.items()]
+        self._sites = []
+        for name, module in named.items():
+            kind, functional = _kind(name, module, include, inc, exc)
+            self._sites.append(Site(name, module, kind, routes, functional))
         self._root = self._sites[0]
         self.meter = Meter()
         self._handles: list = []
@@ -248,6 +259,8 @@ class _Compress:
                                    f"({site.type_name}): {err}") from err
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()
+        self._functions = FunctionTracker()
+        self._functions.__enter__()
 
     def _release(self) -> None:
         """Remove every hook and drop everything but the meter (packed forms live in the graph)."""
@@ -260,6 +273,7 @@ class _Compress:
         _ACTIVE.on = False
 
     def __exit__(self, *exc) -> None:
+        self._functions.__exit__(*exc)
         self._hooks.__exit__(*exc)
         self._release()
 
@@ -296,15 +310,21 @@ class _Compress:
         ptr = storage.data_ptr()
         if self._params.derived(t, ptr, site.module):
             return _encode(PARAMETER, t)
-        route = choose(site, self._describe(t, x))
+        route, view = route_for(site, self._describe(t, x, self._functions.current))
         self.meter._record(site.name, site.type_name, route.label)
-        key = (ptr, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version, id(route))
+        # Contiguous tensors read through the same token view hold the same elements (a
+        # softmax's (N, heads, T, T) output and matmul's (N * heads, T, T) view of it).
+        layout = (view, ()) if view is not None and t.is_contiguous() else (t.shape, t.stride())
+        key = (ptr, t.storage_offset(), *layout, t.dtype, t._version, id(route))
         hit = self._dedup.get(key)
         packed = hit[1]() if hit is not None and hit[0]() is storage else None
         owner = self._charged_to(ptr, storage, site)
         if packed is not None:
+            if packed.shape is not None and packed.shape != t.shape:
+                # the same elements through another view of the storage: decode to t's shape
+                return _Packed(route, packed.data, shape=t.shape)
             return packed
-        packed = _encode(route, t)
+        packed = _encode(route, t, view)
         self._dedup[key] = (weakref.ref(storage), weakref.ref(packed))
         held = self._held_bytes(route, packed, ptr, storage)
         self.meter._charge(owner[1].name, owner[1].type_name, route.label, held, owner[2])
@@ -312,11 +332,11 @@ class _Compress:
         return packed
 
     @staticmethod
-    def _describe(t: torch.Tensor, x: torch.Tensor | None) -> Saved:
+    def _describe(t: torch.Tensor, x: torch.Tensor | None, func: tuple | None) -> Saved:
         x_storage = _storage(x) if x is not None else None
         is_input = x_storage is not None and t.untyped_storage().data_ptr() == x_storage.data_ptr()
         op = type(t.grad_fn).__name__ if t.grad_fn is not None else ""
-        return Saved(t, op, x, is_input)
+        return Saved(t, op, x, is_input, *(func or ()))
 
     def _charged_to(self, ptr: int, storage, site: Site) -> tuple:
         """(storage ref, layer site, plain bytes still to charge) for a saved storage.

@@ -25,14 +25,21 @@ from freqact.codecs.cheap import (
     ShapeOnly,
     SignMask,
 )
+from freqact.codecs.division import Division
+from freqact.engine.layouts import TokenChannels, packed_nbytes, token_view
 
-__all__ = ["DEFAULT_TYPES", "Kind", "Route", "Routes", "Saved", "Site", "choose", "kind_of"]
+__all__ = ["DEFAULT_TYPES", "Kind", "Route", "Routes", "Saved", "Site", "choose", "kind_of",
+           "route_for", "view_shape"]
 
 DEFAULT_TYPES: tuple[type[nn.Module], ...] = (
     nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear,
     nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LayerNorm, nn.GroupNorm,
 )
 """Module types whose input goes through the codec when `include` is None."""
+
+MIN_ELEMENTS = 4096
+"""Saved tensors routed by the op that saved them need at least this many elements (smaller ones,
+statistics such as a norm's rsqrt among them, are kept: they hold few bytes)."""
 
 # Dtypes the value codecs read; other floating types (float8) are kept exactly.
 _CODEC_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -82,16 +89,24 @@ class Route:
         codec: the codec that packs and unpacks the tensor.
         channels: encode a rank-2 (N, C) tensor transposed, as (C, N): one map per channel over
             the batch, the layout of BatchNorm's statistics.
+        layout: "" (the tensor as saved, read by the map rule), "feat/tok" or "feat/chan" (the
+            codec reads the tensor's (M, T, F) token view, `layouts`).
+        heads: the token view of an attention tensor (N, heads, T, d) -> (N * heads, T, d);
+            else a token grid (N, *grid, F) -> (N, prod(grid), F).
     """
 
     name: str
     codec: Codec
     channels: bool = False
+    layout: str = ""
+    heads: bool = False
 
     @property
     def label(self) -> str:
-        """What the meter calls the route: the codec's name, or "kept" for exact keeping."""
-        return "kept" if self.name in ("keep-exact", "parameter") else self.codec.name
+        """What the meter calls the route: the codec's name and its layout, or "kept"."""
+        if self.name in ("keep-exact", "parameter"):
+            return "kept"
+        return f"{self.codec.name} {self.layout}" if self.layout and self.copies else self.codec.name
 
     @property
     def copies(self) -> bool:
@@ -123,16 +138,25 @@ class Routes:
     masks: bool
     relu: Route
     sign: Route
+    tokens: Route  # feat/tok on a token grid (norm inputs, products)
+    features: Route  # feat/chan on a token grid (Linear and activation inputs)
+    attention: Route  # feat/chan on (N * heads, T, d) (SDPA v/out, probabilities)
 
     @classmethod
     def for_codec(cls, codec: Codec) -> Routes:
         masks = not isinstance(codec, Exact)
+        # feat/chan needs the full division form; other codecs read the feat/tok view instead
+        chan, layout = (TokenChannels(codec), "feat/chan") if type(codec) is Division else (
+            codec, "feat/tok")
         return cls(
             codec=Route("codec", codec),
             channels=Route("codec", codec, channels=True),
             masks=masks,
             relu=_RELU_MASK if masks else KEEP,
             sign=_SIGN_MASK if masks else KEEP,
+            tokens=Route("tokens", codec, layout="feat/tok"),
+            features=Route("features", chan, layout=layout),
+            attention=Route("attention", chan, layout=layout, heads=True),
         )
 
 
@@ -143,6 +167,8 @@ class Site:
     Attributes:
         name: qualified name ("" for the model itself); type_name: its class name.
         kind: its routing kind (Kind.NONE when include/exclude leave it out).
+        functional: the ops run directly in it (F.gelu, softmax, SDPA, ...) are routed by op
+            (False when include/exclude leave it out).
         hardtanh: the hardtanh-mask route with the module's range (Kind.HARDTANH only).
         maxpool: maxpool-indices routes by input size, built on first use.
     """
@@ -151,6 +177,7 @@ class Site:
     module: nn.Module
     kind: Kind
     routes: Routes
+    functional: bool = True
     type_name: str = field(init=False)
     hardtanh: Route | None = field(init=False, default=None)
     maxpool: dict = field(init=False, default_factory=dict)
@@ -171,12 +198,17 @@ class Saved:
         op: class name of the autograd node that made it ("" for a tensor without history).
         input: the module's first tensor argument (None when it got none).
         is_input: tensor shares the input's storage (the input itself or a view of it).
+        func: name of the outermost torch function running ("linear", "gelu", "softmax",
+            "scaled_dot_product_attention", ...; "" outside any); args, kwargs: its arguments.
     """
 
     tensor: torch.Tensor
     op: str
     input: torch.Tensor | None
     is_input: bool
+    func: str = ""
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
 
     @property
     def same_size(self) -> bool:
@@ -185,11 +217,11 @@ class Saved:
 
 def _codec(site: Site, saved: Saved) -> Route | None:
     t = saved.tensor
-    # The input itself or a view of it, or its autocast copy (a cast: another dtype).
-    # (Parameters and their copies never get here.)
-    if t.dim() >= 2 and (saved.is_input or (t.dtype != saved.input.dtype and saved.same_size)):
-        # A codec may decline a tensor (lfc/hfc: no spatial or sequence axis): it is then kept.
-        return site.routes.codec if site.routes.codec.codec.accepts(t) else None
+    # The input itself, a view of it, a reshaped copy (a Linear on a transposed token view saves
+    # its (N * T, F) copy) or its autocast copy: these modules save nothing else of that size
+    # (parameters and their copies never get here).
+    if t.dim() >= 2 and (saved.is_input or saved.same_size):
+        return site.routes.codec
     return None
 
 
@@ -255,22 +287,219 @@ _FLOAT_CHOOSERS: dict[Kind, Callable[[Site, Saved], Route | None]] = {
 }
 
 
+# --- routes by the torch function that saved the tensor ---------------------------------------
+
+# Autograd nodes a tensor goes through between a matmul and its reshaped output.
+_VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
+                         "AddBackward0"})
+_MATMUL_NODES = frozenset({"AddmmBackward0", "MmBackward0", "BmmBackward0", "LinearBackward0"})
+# Between a softmax and the operand matmul saves: its broadcast, a dropout.
+_MATMUL_PATH = frozenset({"ExpandBackward0", "NativeDropoutBackward0"})
+
+
+def _tensor_arg(saved: Saved, index: int) -> torch.Tensor | None:
+    args = saved.args
+    return args[index] if len(args) > index and isinstance(args[index], torch.Tensor) else None
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    return (b is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and a.stride() == b.stride())
+
+
+def _from_matmul(t: torch.Tensor) -> bool:
+    """True if t (or, for an activation's saved output, its input) is a Linear's output."""
+    node = t.grad_fn
+    if node is not None and type(node).__name__ in ("SigmoidBackward0", "TanhBackward0"):
+        node = node.next_functions[0][0] if node.next_functions else None
+    while node is not None and type(node).__name__ in _VIEW_NODES:
+        node = node.next_functions[0][0] if node.next_functions else None
+    return node is not None and type(node).__name__ in _MATMUL_NODES
+
+
+def _token_route(route: Route, site: Site, saved: Saved, x: torch.Tensor | None,
+                 tokens: bool) -> Route | None:
+    """`route` for a token tensor with the elements of x; the codec as saved for (N, F) and
+    (N, C, H, W) maps; None (the module's rule) when t is not x's size.
+
+    Args:
+        tokens: t is a token tensor at rank 4 too ((N, H, W, C) grids); else only at rank 3.
+    """
+    t = saved.tensor
+    if x is None or t.numel() != x.numel() or t.dim() < 2:
+        return None
+    if x.dim() == 3 or (x.dim() >= 3 and tokens):
+        return route
+    return site.routes.codec
+
+
+def _linear(site: Site, saved: Saved) -> Route | None:
+    # F.linear(x, w, b) and GPT-2's Conv1D torch.addmm(b, x.view(-1, F), w): the input's elements.
+    x = _tensor_arg(saved, 1 if saved.func == "addmm" else 0)
+    if saved.func == "addmm" and x is not None and saved.input is not None and (
+            x.numel() == saved.input.numel()):
+        x = saved.input  # the token shape before the module's view
+    return _token_route(site.routes.features, site, saved, x, tokens=True)
+
+
+def _activation(site: Site, saved: Saved) -> Route | None:
+    # Its input (GELU, SiLU, ...) or its output (sigmoid, tanh): tokens after a Linear.
+    x = _tensor_arg(saved, 0)
+    return _token_route(site.routes.features, site, saved, x, tokens=_from_matmul(saved.tensor))
+
+
+def _norm(site: Site, saved: Saved) -> Route | None:
+    # layer_norm's input, RMSNorm's x.pow(2) input: per-token statistics (feat/tok).
+    return _token_route(site.routes.tokens, site, saved, _tensor_arg(saved, 0), tokens=True)
+
+
+def _product(site: Site, saved: Saved) -> Route | None:
+    # a * b saves both factors; a full-size factor (not a broadcast statistic) goes feat/tok
+    # (RMSNorm's normalised x, SwiGLU's factors, a layer scale's input).
+    full = max((a.numel() for a in saved.args if isinstance(a, torch.Tensor)), default=0)
+    t = saved.tensor
+    if t.numel() != full:
+        return KEEP
+    if t.dim() == 3:
+        return site.routes.tokens
+    return site.routes.codec if t.dim() >= 2 else KEEP
+
+
+_SOFTMAX_NODES = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0"})
+
+
+def _probabilities(site: Site, saved: Saved, softmax: bool = False) -> Route | None:
+    """Args: softmax: t is known to be a softmax's output (e.g. through a dropout)."""
+    t = saved.tensor
+    if not softmax and saved.op not in _SOFTMAX_NODES:
+        return KEEP
+    # A causal or masked softmax has exact zeros; decoded noise there would carry gradient.
+    if t.dim() < 3 or bool((t == 0).any()):
+        return KEEP
+    return site.routes.attention
+
+
+def _sdpa(site: Site, saved: Saved) -> Route:
+    t = saved.tensor
+    # Its fused backward recomputes exp(q k^T - logsumexp) with the exact logsumexp: an error on
+    # q or k enters exponentially, so q and k stay exact; so do v and out with a mask or
+    # is_causal (measured: no layout works there yet), and logsumexp and the RNG state.
+    mask = saved.kwargs.get("attn_mask", saved.args[3] if len(saved.args) > 3 else None)
+    causal = saved.kwargs.get("is_causal", saved.args[5] if len(saved.args) > 5 else False)
+    if mask is not None or causal or t.dim() < 3 or any(
+            _same_view(t, _tensor_arg(saved, i)) for i in (0, 1)):
+        return KEEP
+    if _same_view(t, _tensor_arg(saved, 2)) or saved.op.startswith("ScaledDotProduct"):
+        return site.routes.attention
+    return KEEP
+
+
+def _attention_module(site: Site, saved: Saved) -> Route:
+    # F.multi_head_attention_forward (nn.MultiheadAttention): its projections' inputs and the
+    # probabilities (need_weights=True); q, k, v and SDPA's own saves stay exact.
+    if saved.op in _SOFTMAX_NODES:
+        return _probabilities(site, saved)
+    x = _tensor_arg(saved, 0)
+    t = saved.tensor
+    if x is not None and t.dim() == 2 and t.numel() == x.numel():
+        return site.routes.features if x.dim() == 3 else site.routes.codec
+    return KEEP
+
+
+def _matmul(site: Site, saved: Saved) -> Route:
+    # Eager attention's probabilities (P @ v), also after a dropout (whose zeros keep them
+    # exact when p > 0); q, k, v of eager attention stay exact.
+    node = saved.tensor.grad_fn  # matmul saves (N * heads, T, T) views of 4D operands
+    while node is not None and type(node).__name__ in _VIEW_NODES | _MATMUL_PATH:
+        node = node.next_functions[0][0] if node.next_functions else None
+    if node is not None and type(node).__name__ in _SOFTMAX_NODES:
+        return _probabilities(site, saved, softmax=True)
+    return KEEP
+
+
+_ACTIVATIONS = ("gelu", "silu", "hardswish", "hardsigmoid", "mish", "elu", "selu", "celu",
+                "sigmoid", "tanh", "softplus")
+_FUNCTION_CHOOSERS: dict[str, Callable[[Site, Saved], Route | None]] = {
+    "linear": _linear, "addmm": _linear,
+    **dict.fromkeys(_ACTIVATIONS, _activation),
+    "layer_norm": _norm, "rms_norm": _norm, "pow": _norm,
+    "mul": _product, "__mul__": _product, "__rmul__": _product,
+    "softmax": _probabilities,
+    "scaled_dot_product_attention": _sdpa,
+    "multi_head_attention_forward": _attention_module,
+    "matmul": _matmul, "bmm": _matmul,
+}
+"""Torch functions whose saves are routed by op (before the module's rule); None: the module's."""
+
+
+def _by_function(site: Site, saved: Saved) -> Route | None:
+    chooser = _FUNCTION_CHOOSERS.get(saved.func)
+    if chooser is None or not site.functional:
+        return None
+    if saved.tensor.numel() < MIN_ELEMENTS:
+        return KEEP if site.kind is Kind.NONE else None
+    return chooser(site, saved)
+
+
+def view_shape(route: Route, saved: Saved) -> tuple[int, ...] | None:
+    """The shape the codec reads a tensor routed through `route` as (None: as saved)."""
+    if not route.layout:
+        return None
+    t = saved.tensor
+    logical = t.shape
+    if t.dim() == 2:  # a Linear's (N * T, F) copy: the token shape of its input
+        for x in (_tensor_arg(saved, 0), saved.input):
+            if x is not None and x.dim() >= 3 and x.numel() == t.numel():
+                logical = x.shape
+                break
+    return token_view(tuple(logical), route.heads)
+
+
+def _not_smaller(route: Route, t: torch.Tensor, shape) -> bool:
+    """True when the packed form would hold at least t's own bytes (1x1 maps: 7 B vs 4)."""
+    n = packed_nbytes(route.codec, tuple(shape if shape is not None else t.shape))
+    return n is not None and n >= t.numel() * t.element_size()
+
+
 def choose(site: Site, saved: Saved) -> Route:
-    """The route of one saved tensor that is not a parameter.
+    """The route of one saved tensor that is not a parameter (`route_for` without the view)."""
+    return route_for(site, saved)[0]
+
+
+def route_for(site: Site, saved: Saved) -> tuple[Route, tuple[int, ...] | None]:
+    """The route of one saved tensor that is not a parameter, and the shape its codec reads.
+
+    The op that saved it decides first (`_FUNCTION_CHOOSERS`), then the module's kind. A route
+    whose packed form would not be smaller than the tensor is replaced by KEEP.
 
     Args:
         site: the innermost running module.
         saved: the tensor and what is known about it.
 
     Returns:
-        The route; KEEP when no rule applies.
+        (route, view): KEEP when no rule applies; view is the (M, T, F) token view for the
+        token layouts, None for the tensor as saved.
     """
     t = saved.tensor
     # An empty tensor (a zero-size batch) holds no bytes to save; codecs refuse it.
-    if site.kind is Kind.NONE or saved.input is None or t.numel() == 0:
-        return KEEP
-    if site.kind is Kind.MAXPOOL and t.dtype == torch.int64:
-        return _maxpool_indices(site, saved)
-    if t.dtype not in _CODEC_DTYPES or t.layout != torch.strided:
-        return KEEP
-    return _FLOAT_CHOOSERS[site.kind](site, saved) or KEEP
+    if t.numel() == 0 or t.layout != torch.strided:
+        return KEEP, None
+    if site.kind is Kind.MAXPOOL and t.dtype == torch.int64 and saved.input is not None:
+        return _maxpool_indices(site, saved), None
+    if t.dtype not in _CODEC_DTYPES:
+        return KEEP, None
+    route = _by_function(site, saved)
+    if route is None:
+        if site.kind is Kind.NONE or saved.input is None:
+            return KEEP, None
+        route = _FLOAT_CHOOSERS[site.kind](site, saved) or KEEP
+    if not route.copies:
+        return route, None
+    shape = view_shape(route, saved)
+    if shape is None and route.layout:
+        route = site.routes.codec  # no token view (rank 2): the map rule
+    # A codec may decline a tensor (lfc/hfc: no spatial or sequence axis): it is then kept.
+    probe = t if shape is None else torch.empty(shape, dtype=t.dtype, device="meta")
+    if not route.codec.accepts(probe) or _not_smaller(route, t, shape):
+        return KEEP, None
+    return route, shape

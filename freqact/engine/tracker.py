@@ -1,0 +1,34 @@
+"""Which torch function is running: the op the pack hook attributes a saved tensor to.
+
+A `TorchFunctionMode` active inside the block keeps the outermost running torch function (its name
+and arguments) on a stack. Autograd saves a function's tensors while it runs, so at pack time the
+top of the stack is the op that saved them: `F.gelu` inside HF's `GELUActivation`,
+`scaled_dot_product_attention`, `softmax`, the `pow`/`mul` of a functional RMSNorm. Inside a
+function the mode is off (PyTorch pops it while its handler runs), so a Python function built of
+torch calls (`F.multi_head_attention_forward`) is seen as itself, never as its parts.
+"""
+from __future__ import annotations
+
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["FunctionTracker"]
+
+
+class FunctionTracker(TorchFunctionMode):
+    """Records the running torch function; `current` is (name, args, kwargs) or None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._stack: list[tuple] = []
+
+    @property
+    def current(self) -> tuple | None:
+        return self._stack[-1] if self._stack else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self._stack.append((getattr(func, "__name__", ""), args, kwargs))
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self._stack.pop()

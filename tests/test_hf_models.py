@@ -1,0 +1,92 @@
+"""`compress` on Hugging Face `transformers` models built from tiny configs (no downloads)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import freqact
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+_TINY = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2,
+         "intermediate_size": 64}
+
+
+def _vision(name: str, attn: str):
+    cfg = getattr(transformers, f"{name}Config")
+    common = {"image_size": 32, "num_channels": 3, "attn_implementation": attn}
+    if name == "ViT":
+        return transformers.ViTModel(cfg(**_TINY, patch_size=4, **common), add_pooling_layer=False)
+    if name == "Swin":
+        return transformers.SwinModel(cfg(embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+                                          window_size=4, patch_size=2, drop_path_rate=0.0,
+                                          **common))
+    if name == "ConvNext":
+        return transformers.ConvNextModel(cfg(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1],
+                                              image_size=32, num_channels=3))
+    return transformers.MobileViTModel(cfg(image_size=32, hidden_sizes=[32, 40, 48],
+                                           neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64],
+                                           num_attention_heads=2, attn_implementation=attn))
+
+
+def _text(name: str, attn: str):
+    if name == "GPT2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=16,
+                                      vocab_size=64, attn_implementation=attn)
+        return transformers.GPT2Model(cfg)
+    if name == "Llama":
+        cfg = transformers.LlamaConfig(**_TINY, num_key_value_heads=2, vocab_size=64,
+                                       max_position_embeddings=16, attn_implementation=attn)
+        return transformers.LlamaModel(cfg)
+    cfg = transformers.BertConfig(**_TINY, vocab_size=64, max_position_embeddings=16,
+                                  attn_implementation=attn)
+    return transformers.BertModel(cfg, add_pooling_layer=False)
+
+
+CASES = [(kind, name, attn) for kind, names in (("vision", ("ViT", "Swin", "MobileViT")),
+                                                 ("text", ("GPT2", "Llama", "Bert")))
+         for name in names for attn in ("sdpa", "eager")
+         if (name, attn) != ("MobileViT", "sdpa")]  # transformers has no SDPA MobileViT
+CASES.append(("vision", "ConvNext", "eager"))  # no attention
+
+
+def _case(kind: str, name: str, attn: str):
+    torch.manual_seed(0)
+    if kind == "vision":
+        return _vision(name, attn), {"pixel_values": torch.randn(4, 3, 32, 32)}
+    return _text(name, attn), {"input_ids": torch.randint(0, 64, (4, 16))}
+
+
+def _grads(model, inputs, codec=None):
+    model.zero_grad(set_to_none=True)
+    if codec is None:
+        out = model(**inputs)
+        meter = None
+    else:
+        with freqact.compress(model, codec, **({"block": 8, "bits": 2} if codec != "exact" else {})) as meter:
+            out = model(**inputs)
+    hidden = out.last_hidden_state.float()
+    # a fixed random readout (a head's gradient), not |h|^2: that loss puts nearly all the
+    # gradient on the last norm's weight, through its input alone
+    target = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))
+    (hidden * target).mean().backward()
+    return [p.grad.clone() if p.grad is not None else None for p in model.parameters()], meter
+
+
+@pytest.mark.parametrize(("kind", "name", "attn"), CASES)
+def test_hf_model_exact_is_bit_identical_and_division_trains(kind, name, attn):
+    model, inputs = _case(kind, name, attn)
+    model.train()
+    for m in model.modules():  # dropout would make the two runs differ
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    plain, _ = _grads(model, inputs)
+    exact, meter = _grads(model, inputs, "exact")
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(plain, exact))
+    assert meter.ratio == pytest.approx(1.0)
+    division, meter = _grads(model, inputs, "division")
+    num = sum(((a - b) ** 2).sum() for a, b in zip(division, plain) if a is not None)
+    den = sum((b ** 2).sum() for b in plain if b is not None)
+    assert all(torch.isfinite(g).all() for g in division if g is not None)
+    assert float((num / den).sqrt()) < 2
+    assert meter.ratio > 1.5, meter.table()
