@@ -23,15 +23,15 @@ training-mode forward pass on its first `batch_size` test images inside
 `engine.compress(model, <the run's codec>)` and the meter's `per_layer()` table is kept (for
 `normal` runs its plain-PyTorch column, `exact_bytes`). Every codec's packed size depends only on
 the tensor shapes, so this is exactly what one training step of that batch size caches, and any
-finished run can be measured again without retraining. The analysis run is the `normal` run when one is given (the paper's
-analyses are of normal training), else the first run.
+finished run can be measured again without retraining. The analysis run is the `normal` run when
+one is given (the paper's analyses are of normal training), else the first run.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 

@@ -29,8 +29,8 @@ import csv
 import io
 import json
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from freqact import checkpoint
 

@@ -63,11 +63,11 @@ import re
 import statistics
 import sys
 import traceback
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from freqact import _validate, checkpoint, codecs, distributed, rundir, train
 from freqact.errors import UsageTypeError
@@ -322,7 +322,8 @@ def results_table(study: Study) -> list[dict]:
 
     Returns:
         Rows with "label", the group fields, "mode", one key per labelled codec setting ("block",
-        "bits", "ratio"; None where the mode has no such setting), "epochs", "seeds" (finished runs), "runs" (planned runs),
+        "bits", "ratio"; None where the mode has no such setting), "epochs", "seeds" (finished runs),
+        "runs" (planned runs),
         "final_acc_mean", "final_acc_std", "best_acc_mean", "best_acc_std" (test accuracy in
         [0, 1]; std is the sample std, None with fewer than 2 seeds), "images_per_s",
         "compression_ratio", "saved_mib" (None when no finished run has them).

@@ -57,8 +57,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F

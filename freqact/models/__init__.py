@@ -12,8 +12,8 @@ dense and transformer blocks are modules of the classes in `BLOCK_TYPES`, so an 
 "block outputs" (the paper's Fig. 4) with `isinstance(m, BLOCK_TYPES)`.
 
 Models know nothing about compression. Activations are `nn` modules (`nn.ReLU`, `nn.ReLU6`, `nn.GELU`,
-`nn.SiLU`, `nn.Hardswish`, `nn.Hardsigmoid`; never `F.relu`) and none is in place, so the engine's hooks see every activation and no cached tensor is
-modified after it was saved.
+`nn.SiLU`, `nn.Hardswish`, `nn.Hardsigmoid`; never `F.relu`) and none is in place, so the engine's
+hooks see every activation and no cached tensor is modified after it was saved.
 
 Initialisation ("standard", as in torchvision): convolutions `kaiming_normal_(mode="fan_out",
 nonlinearity="relu")` without bias, BatchNorm weight 1 and bias 0, Linear layers PyTorch's default
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 
