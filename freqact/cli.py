@@ -144,27 +144,26 @@ def _add_window_rule_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_lambdas_arguments(parser: argparse.ArgumentParser) -> None:
+    from freqact.analysis import pipelines
+
     parser.add_argument("checkpoints", nargs="+", metavar="RUN_DIR_OR_CKPT",
                         help="checkpoints, or run directories (all their ckpt/epoch-*.pt)")
-    parser.add_argument("--ratio", type=float, default=0.1, help="kept fraction W/N (default %(default)s)")
-    parser.add_argument("--layers", default="blocks", choices=("blocks", "convs", "all"),
+    parser.add_argument("--ratio", type=float, default=pipelines.RATIO, help="kept fraction W/N (default %(default)s)")
+    parser.add_argument("--layers", default=pipelines.LAYERS, choices=("blocks", "convs", "all"),
                         help="block outputs (Fig. 4), conv/linear inputs, or both (default %(default)s)")
     _add_window_rule_argument(parser)
-    _add_analysis_arguments(parser, images=512)
+    _add_analysis_arguments(parser, images=pipelines.LAMBDA_IMAGES)
 
 
 def _lambdas(args: argparse.Namespace) -> int:
-    from freqact import plots
-    from freqact.analysis import common, lambdas
+    from freqact.analysis import common, pipelines
 
-    rows = lambdas.from_checkpoints(args.checkpoints, ratio=args.ratio, layers=args.layers, rule=args.window_rule,
-                                    images=args.images, data_dir=args.data_dir, device=args.device)
-    out = Path(args.out) if args.out else common.default_out_dir(Path(rows[0]["checkpoint"]))
-    summary = lambdas.summarize(rows)
-    written = [common.write_csv(rows, out / "lambdas.csv"),
-               common.write_csv(summary, out / "lambdas_summary.csv"),
-               *plots.lambdas_figure(rows, out / "lambdas")]
-    for row in (r for r in summary if r["layer"] == "(all)"):
+    paths = common.resolve_checkpoints(args.checkpoints)
+    out = Path(args.out) if args.out else common.default_out_dir(paths[0])
+    done = pipelines.lambdas_analysis(paths, out, ratio=args.ratio, layers=args.layers, rule=args.window_rule,
+                                      images=args.images, data_dir=args.data_dir, device=args.device)
+    written = done.files
+    for row in (r for r in done.extra if r["layer"] == "(all)"):
         print(f"{row['checkpoint']}: lam_L > lam_H in {row['share_L_gt_H']:.1%} of "
               f"{row['instances']} (layer, instance) pairs")
     print("wrote " + ", ".join(map(str, written)))
@@ -172,26 +171,25 @@ def _lambdas(args: argparse.Namespace) -> int:
 
 
 def _add_theorem31_arguments(parser: argparse.ArgumentParser) -> None:
+    from freqact.analysis import pipelines
+
     parser.add_argument("checkpoints", nargs="+", metavar="RUN_DIR_OR_CKPT",
                         help="checkpoints, or run directories (all their ckpt/epoch-*.pt)")
-    parser.add_argument("--ratio", type=float, default=0.1, help="kept fraction W/N (default %(default)s)")
+    parser.add_argument("--ratio", type=float, default=pipelines.RATIO, help="kept fraction W/N (default %(default)s)")
     _add_window_rule_argument(parser)
     parser.add_argument("--no-end-to-end", dest="end_to_end", action="store_false",
                         help="skip the per-layer errors with the whole network in LFC-ACT / HFC-ACT")
-    _add_analysis_arguments(parser, images=128)
+    _add_analysis_arguments(parser, images=pipelines.THEOREM_IMAGES)
 
 
 def _theorem31(args: argparse.Namespace) -> int:
-    from freqact import plots
-    from freqact.analysis import common, theorem31
+    from freqact.analysis import common, pipelines, theorem31
 
-    rows, fidelity = theorem31.from_checkpoints(
-        args.checkpoints, ratio=args.ratio, rule=args.window_rule, images=args.images,
-        end_to_end=args.end_to_end, data_dir=args.data_dir, device=args.device)
-    out = Path(args.out) if args.out else common.default_out_dir(Path(fidelity[0]["checkpoint"]))
-    written = [common.write_csv(rows, out / "theorem31.csv"),
-               common.write_csv(fidelity, out / "theorem31_fidelity.csv"),
-               *plots.theorem31_figure(rows, out / "theorem31", fidelity=fidelity)]
+    paths = common.resolve_checkpoints(args.checkpoints)
+    out = Path(args.out) if args.out else common.default_out_dir(paths[0])
+    done = pipelines.theorem31_analysis(paths, out, ratio=args.ratio, rule=args.window_rule, images=args.images,
+                                        end_to_end=args.end_to_end, data_dir=args.data_dir, device=args.device)
+    rows, fidelity, written = done.rows, done.extra, done.files
     for f in fidelity:
         s = theorem31.summarize([r for r in rows if r["checkpoint"] == f["checkpoint"]])
         print(f"{f['checkpoint']} (epoch {f['epoch']}): err <= GEB held in {s['bound_holds']}/{s['layers']} "
@@ -204,25 +202,26 @@ def _theorem31(args: argparse.Namespace) -> int:
 
 
 def _add_pooling_arguments(parser: argparse.ArgumentParser) -> None:
+    from freqact.analysis import pipelines
+
     parser.add_argument("checkpoint", help="a checkpoint written by `freqact train`")
-    parser.add_argument("--blocks", type=int, nargs="+", default=[2, 4, 8, 16], metavar="B",
+    parser.add_argument("--blocks", type=int, nargs="+", default=list(pipelines.BLOCKS), metavar="B",
                         help="DIVISION block sizes (default %(default)s)")
-    parser.add_argument("--layers", default="blocks", choices=("blocks", "convs", "all"),
+    parser.add_argument("--layers", default=pipelines.LAYERS, choices=("blocks", "convs", "all"),
                         help="which activation maps besides the input images (default %(default)s)")
-    _add_analysis_arguments(parser, images=64)
+    _add_analysis_arguments(parser, images=pipelines.POOLING_IMAGES)
 
 
 def _pooling(args: argparse.Namespace) -> int:
-    from freqact import checkpoint, plots
-    from freqact.analysis import common, pooling
+    from freqact.analysis import common, pipelines
 
-    model, ckpt = checkpoint.load_model(args.checkpoint, args.device)
-    x, _ = common.eval_batch(model, ckpt["config"], args.images, args.data_dir, args.device)
-    rows = pooling.measure(model, x, blocks=args.blocks, layers=args.layers)
     out = Path(args.out) if args.out else common.default_out_dir(Path(args.checkpoint))
-    written = [common.write_csv(rows, out / "pooling.csv"), *plots.pooling_figure(rows, out / "pooling")]
+    done = pipelines.pooling_analysis(args.checkpoint, out, blocks=args.blocks, layers=args.layers,
+                                      images=args.images, data_dir=args.data_dir, device=args.device)
+    rows, written = done.rows, done.files
     worst = max(r["dc_identity_err"] for r in rows)
-    print(f"{args.checkpoint} (epoch {ckpt['epoch']}): {len(rows)} (map, B) pairs; "
+    epoch = done.extra[0]["epoch"]
+    print(f"{args.checkpoint} (epoch {epoch}): {len(rows)} (map, B) pairs; "
           f"max |block mean - DC/sqrt(block size)| = {worst:.2e}")
     print("wrote " + ", ".join(map(str, written)))
     return 0
@@ -288,12 +287,15 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _add_figures_arguments(parser: argparse.ArgumentParser) -> None:
+    from freqact.analysis import pipelines
+
     add = parser.add_argument
     add("runs", nargs="+", metavar="RUN", help="run directories written by `freqact train`")
     add("--out", default="figures", help="folder for the figures and tables (default %(default)s)")
     add("--analysis-run", default=None, metavar="RUN",
         help="the run whose checkpoints λ, Theorem 3.1 and pooling read (default: the normal run)")
-    add("--ratio", type=float, default=0.1, help="kept fraction W/N for λ and Theorem 3.1 (default %(default)s)")
+    add("--ratio", type=float, default=pipelines.RATIO,
+        help="kept fraction W/N for λ and Theorem 3.1 (default %(default)s)")
     add("--data-dir", default=None, help="CIFAR folder's parent (default: the runs')")
     add("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")
 

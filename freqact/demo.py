@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from freqact import _validate, data, distributed, figures, train
-from freqact.analysis import lambdas, theorem31
+from freqact.analysis import lambdas, pipelines, theorem31
 
 MODES = ("normal", "lfc", "hfc", "division")
 # Host of the official CIFAR archive (see freqact.data): the connectivity check only opens a TCP
@@ -64,12 +64,12 @@ class Plan:
     epochs: int = 3
     batch_size: int = 64
     lr: float = 0.1
-    ratio: float = 0.1
+    ratio: float = pipelines.RATIO
     block: int = 8
     bits: int = 2
-    lambda_images: int = 256
-    theorem_images: int = 128
-    pooling_images: int = 64
+    lambda_images: int = pipelines.LAMBDA_IMAGES
+    theorem_images: int = pipelines.THEOREM_IMAGES
+    pooling_images: int = pipelines.POOLING_IMAGES
     seed: int = 0
 
 
@@ -259,18 +259,26 @@ def _training_row(mode: str, result: dict, totals: dict) -> str:
 
 def _report(plan: Plan, choice: DataChoice, results: dict, figs: dict, out: Path,
             timings: list[tuple[str, float]], started: float) -> str:
-    """The text of report.md."""
-    config = results["normal"]["config"]
-    analysed = Path(results["normal"]["run_dir"])
+    """The text of report.md: the sections below, formatted from the runs' results and tables."""
 
     def link(path) -> str:
         return Path(os.path.relpath(path, out)).as_posix()
 
-    lines = [
+    sections = (_run_lines(plan, choice, results, link, timings[-1][1] - started),
+                _training_lines(plan, results, figs), _lambda_lines(figs), _theorem_lines(figs),
+                _pooling_lines(figs), _figure_lines(figs, link), _time_lines(timings))
+    return "\n".join(line for lines in sections for line in lines) + "\n"
+
+
+def _run_lines(plan: Plan, choice: DataChoice, results: dict, link: Callable, seconds: float) -> list[str]:
+    """report.md's title and "What was run"."""
+    config = results["normal"]["config"]
+    analysed = Path(results["normal"]["run_dir"])
+    return [
         "# freqact demo",
         "",
         f"Written by `freqact demo` on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC "
-        f"in {timings[-1][1] - started:.0f} s (torch {torch.__version__}, "
+        f"in {seconds:.0f} s (torch {torch.__version__}, "
         f"{torch.get_num_threads()} CPU threads, device {config['device']}).",
         "",
         "## What was run",
@@ -288,6 +296,12 @@ def _report(plan: Plan, choice: DataChoice, results: dict, figs: dict, out: Path
         f"pooling on {plan.pooling_images}. Regenerate every figure from this folder with "
         f"`freqact figures {' '.join(link(results[m]['run_dir']) for m in MODES)} --out figures`.",
         "",
+    ]
+
+
+def _training_lines(plan: Plan, results: dict, figs: dict) -> list[str]:
+    """report.md's training table and the notes under it."""
+    lines = [
         "## Training (LFC-ACT vs HFC-ACT vs normal vs DIVISION)",
         "",
         "| run | settings | final test acc (%) | best test acc (%) | final train loss | images/s "
@@ -311,6 +325,13 @@ def _report(plan: Plan, choice: DataChoice, results: dict, figs: dict, out: Path
         f"{next(iter(totals.values()))['images']} test images, measured by `freqact.compress`'s meter "
         "(`normal`: plain PyTorch storage); per layer in figures/compression.csv.",
         "",
+    ]
+    return lines
+
+
+def _lambda_lines(figs: dict) -> list[str]:
+    """report.md's λ table: one row per checkpoint."""
+    lines = [
         "## λ^L vs λ^H across checkpoints",
         "",
         "| epoch | block outputs × images | median λ^L | median λ^H | share λ^L > λ^H |",
@@ -321,10 +342,14 @@ def _report(plan: Plan, choice: DataChoice, results: dict, figs: dict, out: Path
         if row["layer"] == "(all)":
             lines.append(f"| {epochs[row['checkpoint']]} | {row['instances']} | {row['median_lam_L']:.3g} | "
                          f"{row['median_lam_H']:.3g} | {row['share_L_gt_H']:.1%} |")
+    return [*lines, ""]
+
+
+def _theorem_lines(figs: dict) -> list[str]:
+    """report.md's Theorem 3.1 paragraph."""
     s = theorem31.summarize(figs["theorem31"].rows)
     e2e = figs["theorem31"].rows
-    lines += [
-        "",
+    return [
         "## Theorem 3.1 (last checkpoint of the normal run)",
         "",
         f"Over {s['layers']} conv layers: err ≤ GEB held in {s['bound_holds']}, with median tightness "
@@ -334,6 +359,12 @@ def _report(plan: Plan, choice: DataChoice, results: dict, figs: dict, out: Path
         f"{statistics.median(r['e2e_err_L'] for r in e2e):.3g} with LFC-ACT and "
         f"{statistics.median(r['e2e_err_H'] for r in e2e):.3g} with HFC-ACT.",
         "",
+    ]
+
+
+def _pooling_lines(figs: dict) -> list[str]:
+    """report.md's pooling table: one row per block size."""
+    lines = [
         "## Pooling vs DCT low-pass (Theorem 4.1)",
         "",
         "| B | maps | median ‖LFC_pool − LFC_DCT‖/‖H‖ | mean energy share pool "
@@ -347,12 +378,21 @@ def _report(plan: Plan, choice: DataChoice, results: dict, figs: dict, out: Path
             f"{sum(r['energy_pool'] for r in rows) / len(rows):.3f} | "
             f"{sum(r['energy_dct'] for r in rows) / len(rows):.3f} | "
             f"{max(r['dc_identity_err'] for r in rows):.1e} |")
-    lines += ["", "## Figures", ""]
+    return [*lines, ""]
+
+
+def _figure_lines(figs: dict, link: Callable) -> list[str]:
+    """report.md's figures, each with its caption and links to its other files."""
+    lines = ["## Figures", ""]
     for fig in figs.values():
         png = next(p for p in fig.files if p.suffix == ".png")
         others = ", ".join(f"[{p.suffix[1:]}]({link(p)})" for p in fig.files if p != png)
         lines += [f"### {fig.name}", "", f"![{fig.name}]({link(png)})", "", f"{fig.caption} ({others})", ""]
-    lines += ["## Time per stage", "", "| stage | seconds |", "| --- | ---: |"]
-    lines += [f"| {name} | {end - begin:.1f} |" for (name, begin), (_, end) in zip(timings, timings[1:])]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _time_lines(timings: list[tuple[str, float]]) -> list[str]:
+    """report.md's time per stage."""
+    return ["## Time per stage", "", "| stage | seconds |", "| --- | ---: |",
+            *(f"| {name} | {end - begin:.1f} |" for (name, begin), (_, end) in zip(timings, timings[1:]))]
 

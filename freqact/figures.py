@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from freqact import _validate, checkpoint, engine, plots, rundir, train
-from freqact.analysis import common, lambdas, pooling, theorem31
+from freqact.analysis import common, pipelines
 
 FIGURES = ("lambdas", "training", "theorem31", "pooling", "compression")
 # The metrics columns the training figure plots (a bad row is refused naming file and line).
@@ -152,17 +152,21 @@ def make_all(
     out: str | os.PathLike,
     *,
     analysis_run: str | os.PathLike | None = None,
-    ratio: float = 0.1,
-    blocks: Sequence[int] = (2, 4, 8, 16),
-    lambda_images: int = 256,
-    theorem_images: int = 128,
-    pooling_images: int = 64,
+    ratio: float = pipelines.RATIO,
+    blocks: Sequence[int] = pipelines.BLOCKS,
+    lambda_images: int = pipelines.LAMBDA_IMAGES,
+    theorem_images: int = pipelines.THEOREM_IMAGES,
+    pooling_images: int = pipelines.POOLING_IMAGES,
     memory_images: int | None = None,
     data_dir: str | os.PathLike | None = None,
     device: str | torch.device = "cpu",
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Figure]:
     """Compute every table from the run directories and draw every figure into `out`.
+
+    The λ, Theorem 3.1 and pooling tables come from `freqact.analysis.pipelines` (the same
+    pipelines as `freqact lambdas|theorem31|pooling`); a table already in `out` whose settings
+    sidecar matches is reused instead of measured again.
 
     Args:
         run_dirs: run directories written by `freqact.train` (one per mode, typically).
@@ -202,10 +206,11 @@ def make_all(
     made: dict[str, Figure] = {}
 
     say(f"lambdas: λ per block output across the checkpoints of {main_run}")
-    rows = lambdas.from_checkpoints([main_run], ratio=ratio, images=lambda_images,
-                                    data_dir=data_dir, device=device)
-    made["lambdas"] = _figure("lambdas", out, rows, plots.lambdas_figure,
-                              f"{main_run.name} run: {model_data}; {lambda_images} test images, W/N = {ratio}")
+    done = pipelines.lambdas_analysis([main_run], out, ratio=ratio, images=lambda_images, data_dir=data_dir,
+                                      device=device, reuse=True,
+                                      note=f"{main_run.name} run: {model_data}; {lambda_images} test images, "
+                                           f"W/N = {ratio}")
+    made["lambdas"] = _analysis_figure("lambdas", done)
 
     say("memory: bytes cached per layer, one training batch per run")
     memory = [{"run": label, **row} for label, path in zip(labels, map(_last_checkpoint, runs))
@@ -219,20 +224,19 @@ def make_all(
         f"{trained}; {memory_note}")
 
     main_ckpt = _last_checkpoint(main_run)
-    model, ckpt = checkpoint.load_model(main_ckpt, device)
     say(f"theorem31: gradient errors vs bounds on {main_ckpt}")
-    x, y = common.eval_batch(model, ckpt["config"], theorem_images, data_dir, device)
-    rows = theorem31.measure(model, x, y, ratio=ratio)
-    made["theorem31"] = _figure("theorem31", out, rows, plots.theorem31_figure,
-                                f"{main_ckpt.parent.parent.name} run, last checkpoint: {model_data}; "
-                                f"a batch of {len(x)} test images, W/N = {ratio}")
+    done = pipelines.theorem31_analysis([main_ckpt], out, ratio=ratio, images=theorem_images, data_dir=data_dir,
+                                        device=device, reuse=True,
+                                        note=f"{main_run.name} run, last checkpoint: {model_data}; "
+                                             f"a batch of {theorem_images} test images, W/N = {ratio}")
+    made["theorem31"] = _analysis_figure("theorem31", done)
 
     say(f"pooling: block means vs DCT low-pass on {main_ckpt}")
-    x, _ = common.eval_batch(model, ckpt["config"], pooling_images, data_dir, device)
-    rows = pooling.measure(model, x, blocks=blocks)
-    made["pooling"] = _figure("pooling", out, rows, plots.pooling_figure,
-                              f"{main_ckpt.parent.parent.name} run, last checkpoint: {model_data}; "
-                              f"{len(x)} test images")
+    done = pipelines.pooling_analysis(main_ckpt, out, blocks=blocks, images=pooling_images, data_dir=data_dir,
+                                      device=device, reuse=True,
+                                      note=f"{main_run.name} run, last checkpoint: {model_data}; "
+                                           f"{pooling_images} test images")
+    made["pooling"] = _analysis_figure("pooling", done)
 
     made["compression"] = _figure("compression", out, memory, plots.compression_figure,
                                   f"{model_data}, each run's last checkpoint; {memory_note}")
@@ -274,6 +278,12 @@ def _figure(name: str, out: Path, rows: list[dict], draw: Callable, note: str) -
     """Write `rows` as out/NAME.csv and draw them as out/NAME.png/.pdf with `note` above."""
     files = [common.write_csv(rows, out / f"{name}.csv"), *draw(rows, out / name, note=note)]
     return Figure(name, CAPTIONS[name], files, rows)
+
+
+def _analysis_figure(name: str, done: pipelines.Analysis) -> Figure:
+    """A pipeline's table and figure as a Figure (its extra tables stay in the folder, unlisted)."""
+    files = [p for p in done.files if p.stem == name and p.suffix in (".csv", ".png", ".pdf")]
+    return Figure(name, CAPTIONS[name], files, done.rows)
 
 
 def _analysis_run(runs: list[Path], configs: list[dict], chosen) -> Path:
