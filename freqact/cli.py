@@ -65,8 +65,8 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--amp", action="store_true",
         help="autocast: bfloat16 on CPU, float16 + GradScaler on CUDA")
     add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    add("--workers", type=int, default=defaults.workers,
-        help="unused: data are in-memory tensors batched on the device (kept for compatibility)")
+    add("--workers", type=int, default=None,
+        help="deprecated and ignored: data are in-memory tensors batched on the device")
     add("--data-dir", default=None,
         help="CIFAR folder's parent (default $FREQACT_DATA, else ./data)")
     add("--download", action="store_true", help="download CIFAR (md5-checked) when missing")
@@ -95,6 +95,8 @@ def _train(args: argparse.Namespace) -> int:
             flags = ", ".join(_flag(name) for name in used) or "none"
             raise UsageError(f"{_flag(setting.name)}: mode {args.mode!r} does not use it (its "
                              f"settings: {flags})")
+    if args.workers is not None:
+        print("freqact train: --workers is deprecated and ignored (data are in-memory tensors)", file=sys.stderr)
     fields = {f.name for f in dataclasses.fields(train.RunConfig)} - unset
     try:
         results = train.train(train.RunConfig(**{k: v for k, v in vars(args).items() if k in fields}))

@@ -41,7 +41,7 @@ except ImportError:  # pragma: no cover - Windows: no advisory locks, runs are n
 
 # Fields that may change when a run is resumed; all others must match the stored run. The kernel
 # backend changes like the device does (same format, another noise stream); `kernels` records it.
-RESUMABLE_CHANGES = ("device", "workers", "out", "resume", "save_epochs", "save_every", "download",
+RESUMABLE_CHANGES = ("device", "out", "resume", "save_epochs", "save_every", "download",
                      "data_dir", "log_every", "backend", "kernels")
 METRIC_COLUMNS = (
     "epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time_s",

@@ -17,8 +17,8 @@ crop of the 4-pixel padded image + horizontal flip).
 Data: whole datasets are moved to the device once as uint8 tensors; each epoch's order comes
 from a `DistributedSampler` seeded with (seed, epoch) (also with one process; under torchrun it
 pads the order by repeating a few indices so every rank gets as many), batches are gathered by
-index on the device and augmented/normalised there; the last, smaller batch is kept. `workers` is
-accepted for command-line compatibility but unused: there is no loader to parallelise. Progress
+index on the device and augmented/normalised there; the last, smaller batch is kept (there is no loader
+to parallelise, hence no `workers` setting; `freqact train --workers` is accepted and ignored). Progress
 within an epoch: a tqdm bar on a terminal, else a line every ~10 % of the epoch (or `log_every`
 steps).
 
@@ -28,7 +28,7 @@ metrics so far. Resuming restores all of them, so on the CPU with a fixed seed t
 metrics equal an uninterrupted run's, except the timing columns (epoch_time_s, images_per_s). On
 CUDA, nondeterministic kernels (cuDNN autotuning, atomics in backward) make runs differ in the last
 bits with or without a resume. A resume needs the same number of ranks (the RNG states are per
-rank) and the same training settings; only device, workers, out, data_dir, download, log_every and
+rank) and the same training settings; only device, out, data_dir, download, log_every and
 the checkpoint cadence may change. Without `ckpt/last.pt` a resume continues from the newest
 loadable `ckpt/epoch-XXXX.pt` (and says so); it always prints the epoch it continues after.
 
@@ -67,7 +67,6 @@ from tqdm import tqdm
 
 from freqact import _validate, checkpoint, codecs, data, distributed, engine, models, rundir
 from freqact.codecs.settings import Setting
-from freqact.errors import UsageError
 
 NORMAL_TITLE = "normal training (plain PyTorch)"
 MODES = ("normal", *codecs.modes())
@@ -132,7 +131,6 @@ class RunConfig(_WithCodecSettings):
             integer in [0, 2**32 - 1].
         amp: autocast (bfloat16 on CPU; float16 with a GradScaler on CUDA).
         device: "cpu", "cuda", "cuda:N" or None for CUDA when available.
-        workers: unused (data are in-memory tensors); kept for command-line compatibility.
         data_dir: CIFAR data directory (else $FREQACT_DATA, else ./data).
         download: download CIFAR when missing.
         out: run directory; None means runs/<model>-<dataset>-<mode>.
@@ -156,7 +154,6 @@ class RunConfig(_WithCodecSettings):
     seed: int = 0
     amp: bool = False
     device: str | None = None
-    workers: int = 0
     data_dir: str | None = None
     download: bool = False
     out: str | None = None
@@ -176,8 +173,6 @@ class RunConfig(_WithCodecSettings):
         for name in ("subset", "save_every", "log_every"):
             if getattr(self, name) is not None:
                 _validate.positive_int(name, getattr(self, name))
-        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 0:
-            raise UsageError(f"workers: expected an integer >= 0, got {self.workers!r}")
         self.save_epochs = sorted({_validate.positive_int("save_epochs", e)
                                    for e in self.save_epochs})
         if self.out is None:
@@ -187,9 +182,9 @@ class RunConfig(_WithCodecSettings):
     def from_dict(cls, stored: dict) -> RunConfig:
         """The config of a stored run (`config.json` or a checkpoint's "config"), old or new.
 
-        Keys that are not fields (num_classes, world_size, kernels) are ignored, and settings a
-        stored config leaves out (a mode's unused codec settings, or `backend` before it existed)
-        take their defaults, so every config.json freqact wrote still loads.
+        Keys that are not fields (num_classes, world_size, kernels, the removed `workers`) are
+        ignored, and settings a stored config leaves out (a mode's unused codec settings, or
+        `backend` before it existed) take their defaults, so every config.json freqact wrote still loads.
         """
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in stored.items() if k in fields})
