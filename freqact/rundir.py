@@ -64,6 +64,11 @@ class RunDir:
 
     Raises:
         ValueError: if `path` is empty (it would mean the current directory).
+
+    Example:
+        >>> run = RunDir("runs/demo")
+        >>> run.last.as_posix(), run.epoch_path(3).as_posix()
+        ('runs/demo/ckpt/last.pt', 'runs/demo/ckpt/epoch-0003.pt')
     """
 
     def __init__(self, path: str | os.PathLike) -> None:

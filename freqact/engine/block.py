@@ -180,6 +180,14 @@ def compress(model: nn.Module, codec: str | Codec = "division", *, include=None,
         ValueError: unknown or not whole-model codec, or an include/exclude name not in the model.
         RuntimeError (on entry): a block is already open in this thread, the model is inside a
             block of another thread, or a module cannot be hooked (e.g. a TorchScript module).
+
+    Example:
+        >>> net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 3, padding=1))
+        >>> with compress(net, "division", block=4, bits=2) as meter:
+        ...     loss = net(torch.randn(2, 3, 8, 8)).sum()
+        >>> loss.backward()
+        >>> meter.saved_bytes < meter.exact_bytes
+        True
     """
     return _Compress(model, codec, include, exclude, params)
 

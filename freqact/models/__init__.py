@@ -72,6 +72,12 @@ def get(name: str, num_classes: int = 10, **kwargs) -> nn.Module:
         UsageTypeError (a TypeError): if a setting is not one of that model's (the message lists
             its settings) or has the wrong type. A TypeError from inside a builder is a bug and
             propagates as it is.
+
+    Example:
+        >>> import torch
+        >>> model = get("mlp")
+        >>> model(torch.zeros(2, *model.input_shape)).shape
+        torch.Size([2, 10])
     """
     _validate.choice("name", name, tuple(names()))
     _validate.positive_int("num_classes", num_classes)
