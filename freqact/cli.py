@@ -157,18 +157,24 @@ def _add_lambdas_arguments(parser: argparse.ArgumentParser) -> None:
     _add_analysis_arguments(parser, images=pipelines.LAMBDA_IMAGES)
 
 
-def _lambdas(args: argparse.Namespace) -> int:
-    from freqact.analysis import common, pipelines
+def _checkpoints_and_out(args: argparse.Namespace) -> tuple[list[Path], Path]:
+    """The checkpoints `args.checkpoints` names, and --out (default: beside the first one)."""
+    from freqact.analysis import common
 
     paths = common.resolve_checkpoints(args.checkpoints)
-    out = Path(args.out) if args.out else common.default_out_dir(paths[0])
+    return paths, Path(args.out) if args.out else common.default_out_dir(paths[0])
+
+
+def _lambdas(args: argparse.Namespace) -> int:
+    from freqact.analysis import pipelines
+
+    paths, out = _checkpoints_and_out(args)
     done = pipelines.lambdas_analysis(paths, out, ratio=args.ratio, layers=args.layers, rule=args.window_rule,
                                       images=args.images, data_dir=args.data_dir, device=args.device)
-    written = done.files
     for row in (r for r in done.extra if r["layer"] == "(all)"):
         print(f"{row['checkpoint']}: lam_L > lam_H in {row['share_L_gt_H']:.1%} of "
               f"{row['instances']} (layer, instance) pairs")
-    print("wrote " + ", ".join(map(str, written)))
+    print("wrote " + ", ".join(map(str, done.files)))
     return 0
 
 
@@ -185,10 +191,9 @@ def _add_theorem31_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _theorem31(args: argparse.Namespace) -> int:
-    from freqact.analysis import common, pipelines, theorem31
+    from freqact.analysis import pipelines, theorem31
 
-    paths = common.resolve_checkpoints(args.checkpoints)
-    out = Path(args.out) if args.out else common.default_out_dir(paths[0])
+    paths, out = _checkpoints_and_out(args)
     done = pipelines.theorem31_analysis(paths, out, ratio=args.ratio, rule=args.window_rule, images=args.images,
                                         end_to_end=args.end_to_end, data_dir=args.data_dir, device=args.device)
     rows, fidelity, written = done.rows, done.extra, done.files

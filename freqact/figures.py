@@ -206,10 +206,10 @@ def make_all(
     made: dict[str, Figure] = {}
 
     say(f"lambdas: λ per block output across the checkpoints of {main_run}")
-    done = pipelines.lambdas_analysis([main_run], out, ratio=ratio, images=lambda_images, data_dir=data_dir,
-                                      device=device, reuse=True,
-                                      note=f"{main_run.name} run: {model_data}; {lambda_images} test images, "
-                                           f"W/N = {ratio}")
+    shared = {"data_dir": data_dir, "device": device, "reuse": True}  # every analysis pipeline's
+    done = pipelines.lambdas_analysis(
+        [main_run], out, ratio=ratio, images=lambda_images, **shared,
+        note=f"{main_run.name} run: {model_data}; {lambda_images} test images, W/N = {ratio}")
     made["lambdas"] = _analysis_figure("lambdas", done)
 
     say("memory: bytes cached per layer, one training batch per run")
@@ -225,17 +225,15 @@ def make_all(
 
     main_ckpt = _last_checkpoint(main_run)
     say(f"theorem31: gradient errors vs bounds on {main_ckpt}")
-    done = pipelines.theorem31_analysis([main_ckpt], out, ratio=ratio, images=theorem_images, data_dir=data_dir,
-                                        device=device, reuse=True,
-                                        note=f"{main_run.name} run, last checkpoint: {model_data}; "
-                                             f"a batch of {theorem_images} test images, W/N = {ratio}")
+    last = f"{main_run.name} run, last checkpoint: {model_data}"
+    done = pipelines.theorem31_analysis(
+        [main_ckpt], out, ratio=ratio, images=theorem_images, **shared,
+        note=f"{last}; a batch of {theorem_images} test images, W/N = {ratio}")
     made["theorem31"] = _analysis_figure("theorem31", done)
 
     say(f"pooling: block means vs DCT low-pass on {main_ckpt}")
-    done = pipelines.pooling_analysis(main_ckpt, out, blocks=blocks, images=pooling_images, data_dir=data_dir,
-                                      device=device, reuse=True,
-                                      note=f"{main_run.name} run, last checkpoint: {model_data}; "
-                                           f"{pooling_images} test images")
+    done = pipelines.pooling_analysis(main_ckpt, out, blocks=blocks, images=pooling_images, **shared,
+                                      note=f"{last}; {pooling_images} test images")
     made["pooling"] = _analysis_figure("pooling", done)
 
     made["compression"] = _figure("compression", out, memory, plots.compression_figure,
