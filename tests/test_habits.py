@@ -15,3 +15,11 @@ def test_ruff_finds_nothing():
     done = subprocess.run([ruff, "check", "--no-cache", "freqact", "tests", "benchmarks"], cwd=ROOT,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_config_json_with_the_removed_workers_setting_still_loads():
+    from freqact import train
+
+    stored = train.RunConfig(model="mlp", dataset="synthetic", mode="division").to_dict()
+    assert "workers" not in stored
+    assert train.RunConfig.from_dict({**stored, "workers": 4}) == train.RunConfig.from_dict(stored)
