@@ -55,8 +55,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from benchmarks.common import RESULTS_DIR, print_table, write_results
-from freqact import data, models, text
-from freqact import kernels
+from freqact import data, kernels, models, text
 
 BLOCK, BITS = 8, 2
 ROUTES = ("linear_in", "act_in", "norm_in", "sdpa_qkvo", "sdpa_qk", "sdpa_vo", "attn_probs")

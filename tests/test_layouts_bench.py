@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from benchmarks import layouts
-from freqact import models
-from freqact import kernels
+from freqact import kernels, models
 
 
 def _noise(shape, seed=0):
