@@ -480,21 +480,34 @@ def route_for(site: Site, saved: Saved) -> tuple[Route, tuple[int, ...] | None]:
         (route, view): KEEP when no rule applies; view is the (M, T, F) token view for the
         token layouts, None for the tensor as saved.
     """
+    route = _chosen(site, saved)
+    if not route.copies:
+        return route, None
+    return _checked(site, route, saved)
+
+
+def _chosen(site: Site, saved: Saved) -> Route:
+    """The route a rule picks for `saved`, before the size and acceptance checks (KEEP: none)."""
     t = saved.tensor
     # An empty tensor (a zero-size batch) holds no bytes to save; codecs refuse it.
     if t.numel() == 0 or t.layout != torch.strided:
-        return KEEP, None
+        return KEEP
     if site.kind is Kind.MAXPOOL and t.dtype == torch.int64 and saved.input is not None:
-        return _maxpool_indices(site, saved), None
+        return _maxpool_indices(site, saved)
     if t.dtype not in _CODEC_DTYPES:
-        return KEEP, None
+        return KEEP
     route = _by_function(site, saved)
-    if route is None:
-        if site.kind is Kind.NONE or saved.input is None:
-            return KEEP, None
-        route = _FLOAT_CHOOSERS[site.kind](site, saved) or KEEP
-    if not route.copies:
-        return route, None
+    if route is not None:
+        return route
+    if site.kind is Kind.NONE or saved.input is None:
+        return KEEP
+    return _FLOAT_CHOOSERS[site.kind](site, saved) or KEEP
+
+
+def _checked(site: Site, route: Route, saved: Saved) -> tuple[Route, tuple[int, ...] | None]:
+    """`route` with its token view, or KEEP where the codec declines the tensor or would not
+    make it smaller."""
+    t = saved.tensor
     shape = view_shape(route, saved)
     if shape is None and route.layout:
         route = site.routes.codec  # no token view (rank 2): the map rule
