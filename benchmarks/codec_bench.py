@@ -24,6 +24,7 @@ Prints a table and writes benchmarks/results/codec-<device>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import json
@@ -90,10 +91,8 @@ def _release_free_heap() -> None:
     """Hand memory the allocator holds free back to the system (glibc's malloc_trim), so that a
     later allocation cannot reuse it without growing the resident set. No-op without glibc."""
     gc.collect()
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def measure_memory(name: str, batch: int, shape: tuple, mode: str, device: str) -> dict:
@@ -170,7 +169,7 @@ def step_times(device: str, repeats: int) -> dict:
     times = {mode: [] for mode in MODES}
     for _ in range(repeats):
         for mode in MODES:
-            times[mode].append(median_time(lambda: step(mode), warmup=1, repeats=1,
+            times[mode].append(median_time(lambda mode=mode: step(mode), warmup=1, repeats=1,
                                            device=device))
     return {mode: statistics.median(seconds) for mode, seconds in times.items()}
 

@@ -18,13 +18,12 @@ torch-dct is optional (`pip install torch-dct`), never a freqact dependency.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-from pathlib import Path
-
 import importlib.metadata
 import importlib.util
-from typing import Callable
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import scipy

@@ -55,8 +55,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from benchmarks.common import RESULTS_DIR, print_table, write_results
-from freqact import data, models, text
-from freqact.kernels import reference
+from freqact import data, kernels, models, text
 
 BLOCK, BITS = 8, 2
 ROUTES = ("linear_in", "act_in", "norm_in", "sdpa_qkvo", "sdpa_qk", "sdpa_vo", "attn_probs")
@@ -102,8 +101,8 @@ def token_order(tokens: int, tile: tuple[int, int]) -> torch.Tensor:
 def roundtrip(v: torch.Tensor, layout: str, gen: torch.Generator) -> tuple[torch.Tensor, int]:
     """DIVISION round trip of token view v (M, T, F) under `layout`; returns (v_hat, bytes).
 
-    LFC: bf16 means of 8 elements along the block axis (the reference `lfc_encode`); HFC: the
-    residual quantised by the reference `quantize_encode` with one min/step per token row (T
+    LFC: bf16 means of 8 elements along the block axis (`kernels.lfc_encode`, the torch reference); HFC: the
+    residual quantised by `kernels.quantize_encode` (backend torch) with one min/step per token row (T
     maps of F) or per channel column (F maps of T), stochastic rounding drawn from `gen`.
     """
     axis, stats = LAYOUTS[layout]
@@ -113,13 +112,13 @@ def roundtrip(v: torch.Tensor, layout: str, gen: torch.Generator) -> tuple[torch
         perm = token_order(v.shape[1], tile)
         v = v[:, perm]
     w = (v.transpose(1, 2) if axis != "F" else v).contiguous().float()  # blocks on the last dim
-    lfc = reference.lfc_encode(w, BLOCK)
-    base = reference.division_decode(lfc)
+    lfc = kernels.lfc_encode(w, BLOCK)
+    base = kernels.division_decode(lfc, backend="torch")
     flip = (axis != "F") != (stats == "channel")  # quantiser maps run along the last dim too
     h = w - base
     h = h.transpose(1, 2).contiguous() if flip else h
-    quant = reference.quantize_encode(h, BITS, torch.rand(h.shape, generator=gen))
-    h_hat = reference.division_decode(quant)
+    quant = kernels.quantize_encode(h, BITS, torch.rand(h.shape, generator=gen), backend="torch")
+    h_hat = kernels.division_decode(quant, backend="torch")
     w_hat = base + (h_hat.transpose(1, 2) if flip else h_hat)
     v_hat = w_hat.transpose(1, 2) if axis != "F" else w_hat
     if perm is not None:
@@ -129,9 +128,9 @@ def roundtrip(v: torch.Tensor, layout: str, gen: torch.Generator) -> tuple[torch
 
 def as_saved_roundtrip(t: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, int]:
     """The full DIVISION codec on t as saved (today's map rule for its rank)."""
-    packed = reference.division_encode(t.contiguous(), BLOCK, BITS,
-                                       torch.rand(t.shape, generator=gen))
-    return reference.division_decode(packed).view(t.shape), packed.nbytes
+    packed = kernels.division_encode(t.contiguous(), BLOCK, BITS,
+                                     torch.rand(t.shape, generator=gen), backend="torch")
+    return kernels.division_decode(packed, backend="torch").view(t.shape), packed.nbytes
 
 
 # --- which route saved a tensor --------------------------------------------------------------

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 from freqact.errors import UsageError
 
@@ -73,8 +73,8 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--amp", action="store_true",
         help="autocast: bfloat16 on CPU, float16 + GradScaler on CUDA")
     add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    add("--workers", type=int, default=defaults.workers,
-        help="unused: data are in-memory tensors batched on the device (kept for compatibility)")
+    add("--workers", type=int, default=None,
+        help="deprecated and ignored: data are in-memory tensors batched on the device")
     add("--data-dir", default=None,
         help="CIFAR folder's parent (default $FREQACT_DATA, else ./data)")
     add("--download", action="store_true", help="download CIFAR (md5-checked) when missing")
@@ -85,6 +85,8 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--resume", action="store_true", help="continue the run in --out from ckpt/last.pt (or start it)")
     add("--log-every", type=int, default=None, metavar="N",
         help="a progress line every N steps (default: every ~10%% of an epoch when not on a terminal)")
+    add("--fsdp", action="store_true",
+        help="under torchrun: shard the model with FSDP2 (fully_shard per block) instead of DDP")
 
 
 def _json_object(value: str) -> dict:
@@ -114,6 +116,8 @@ def _train(args: argparse.Namespace) -> int:
             flags = ", ".join(_flag(name) for name in used) or "none"
             raise UsageError(f"{_flag(setting.name)}: mode {args.mode!r} does not use it (its "
                              f"settings: {flags})")
+    if args.workers is not None:
+        print("freqact train: --workers is deprecated and ignored (data are in-memory tensors)", file=sys.stderr)
     fields = {f.name for f in dataclasses.fields(train.RunConfig)} - unset
     try:
         results = train.train(train.RunConfig(**{k: v for k, v in vars(args).items() if k in fields}))
@@ -163,54 +167,57 @@ def _add_window_rule_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_lambdas_arguments(parser: argparse.ArgumentParser) -> None:
+    from freqact.analysis import pipelines
+
     parser.add_argument("checkpoints", nargs="+", metavar="RUN_DIR_OR_CKPT",
                         help="checkpoints, or run directories (all their ckpt/epoch-*.pt)")
-    parser.add_argument("--ratio", type=float, default=0.1, help="kept fraction W/N (default %(default)s)")
-    parser.add_argument("--layers", default="blocks", choices=("blocks", "convs", "all"),
+    parser.add_argument("--ratio", type=float, default=pipelines.RATIO, help="kept fraction W/N (default %(default)s)")
+    parser.add_argument("--layers", default=pipelines.LAYERS, choices=("blocks", "convs", "all"),
                         help="block outputs (Fig. 4), conv/linear inputs, or both (default %(default)s)")
     _add_window_rule_argument(parser)
-    _add_analysis_arguments(parser, images=512)
+    _add_analysis_arguments(parser, images=pipelines.LAMBDA_IMAGES)
+
+
+def _checkpoints_and_out(args: argparse.Namespace) -> tuple[list[Path], Path]:
+    """The checkpoints `args.checkpoints` names, and --out (default: beside the first one)."""
+    from freqact.analysis import common
+
+    paths = common.resolve_checkpoints(args.checkpoints)
+    return paths, Path(args.out) if args.out else common.default_out_dir(paths[0])
 
 
 def _lambdas(args: argparse.Namespace) -> int:
-    from freqact import plots
-    from freqact.analysis import common, lambdas
+    from freqact.analysis import pipelines
 
-    rows = lambdas.from_checkpoints(args.checkpoints, ratio=args.ratio, layers=args.layers, rule=args.window_rule,
-                                    images=args.images, data_dir=args.data_dir, device=args.device)
-    out = Path(args.out) if args.out else common.default_out_dir(Path(rows[0]["checkpoint"]))
-    summary = lambdas.summarize(rows)
-    written = [common.write_csv(rows, out / "lambdas.csv"),
-               common.write_csv(summary, out / "lambdas_summary.csv"),
-               *plots.lambdas_figure(rows, out / "lambdas")]
-    for row in (r for r in summary if r["layer"] == "(all)"):
+    paths, out = _checkpoints_and_out(args)
+    done = pipelines.lambdas_analysis(paths, out, ratio=args.ratio, layers=args.layers, rule=args.window_rule,
+                                      images=args.images, data_dir=args.data_dir, device=args.device)
+    for row in (r for r in done.extra if r["layer"] == "(all)"):
         print(f"{row['checkpoint']}: lam_L > lam_H in {row['share_L_gt_H']:.1%} of "
               f"{row['instances']} (layer, instance) pairs")
-    print("wrote " + ", ".join(map(str, written)))
+    print("wrote " + ", ".join(map(str, done.files)))
     return 0
 
 
 def _add_theorem31_arguments(parser: argparse.ArgumentParser) -> None:
+    from freqact.analysis import pipelines
+
     parser.add_argument("checkpoints", nargs="+", metavar="RUN_DIR_OR_CKPT",
                         help="checkpoints, or run directories (all their ckpt/epoch-*.pt)")
-    parser.add_argument("--ratio", type=float, default=0.1, help="kept fraction W/N (default %(default)s)")
+    parser.add_argument("--ratio", type=float, default=pipelines.RATIO, help="kept fraction W/N (default %(default)s)")
     _add_window_rule_argument(parser)
     parser.add_argument("--no-end-to-end", dest="end_to_end", action="store_false",
                         help="skip the per-layer errors with the whole network in LFC-ACT / HFC-ACT")
-    _add_analysis_arguments(parser, images=128)
+    _add_analysis_arguments(parser, images=pipelines.THEOREM_IMAGES)
 
 
 def _theorem31(args: argparse.Namespace) -> int:
-    from freqact import plots
-    from freqact.analysis import common, theorem31
+    from freqact.analysis import pipelines, theorem31
 
-    rows, fidelity = theorem31.from_checkpoints(
-        args.checkpoints, ratio=args.ratio, rule=args.window_rule, images=args.images,
-        end_to_end=args.end_to_end, data_dir=args.data_dir, device=args.device)
-    out = Path(args.out) if args.out else common.default_out_dir(Path(fidelity[0]["checkpoint"]))
-    written = [common.write_csv(rows, out / "theorem31.csv"),
-               common.write_csv(fidelity, out / "theorem31_fidelity.csv"),
-               *plots.theorem31_figure(rows, out / "theorem31", fidelity=fidelity)]
+    paths, out = _checkpoints_and_out(args)
+    done = pipelines.theorem31_analysis(paths, out, ratio=args.ratio, rule=args.window_rule, images=args.images,
+                                        end_to_end=args.end_to_end, data_dir=args.data_dir, device=args.device)
+    rows, fidelity, written = done.rows, done.extra, done.files
     for f in fidelity:
         s = theorem31.summarize([r for r in rows if r["checkpoint"] == f["checkpoint"]])
         print(f"{f['checkpoint']} (epoch {f['epoch']}): err <= GEB held in {s['bound_holds']}/{s['layers']} "
@@ -223,25 +230,26 @@ def _theorem31(args: argparse.Namespace) -> int:
 
 
 def _add_pooling_arguments(parser: argparse.ArgumentParser) -> None:
+    from freqact.analysis import pipelines
+
     parser.add_argument("checkpoint", help="a checkpoint written by `freqact train`")
-    parser.add_argument("--blocks", type=int, nargs="+", default=[2, 4, 8, 16], metavar="B",
+    parser.add_argument("--blocks", type=int, nargs="+", default=list(pipelines.BLOCKS), metavar="B",
                         help="DIVISION block sizes (default %(default)s)")
-    parser.add_argument("--layers", default="blocks", choices=("blocks", "convs", "all"),
+    parser.add_argument("--layers", default=pipelines.LAYERS, choices=("blocks", "convs", "all"),
                         help="which activation maps besides the input images (default %(default)s)")
-    _add_analysis_arguments(parser, images=64)
+    _add_analysis_arguments(parser, images=pipelines.POOLING_IMAGES)
 
 
 def _pooling(args: argparse.Namespace) -> int:
-    from freqact import checkpoint, plots
-    from freqact.analysis import common, pooling
+    from freqact.analysis import common, pipelines
 
-    model, ckpt = checkpoint.load_model(args.checkpoint, args.device)
-    x, _ = common.eval_batch(model, ckpt["config"], args.images, args.data_dir, args.device)
-    rows = pooling.measure(model, x, blocks=args.blocks, layers=args.layers)
     out = Path(args.out) if args.out else common.default_out_dir(Path(args.checkpoint))
-    written = [common.write_csv(rows, out / "pooling.csv"), *plots.pooling_figure(rows, out / "pooling")]
+    done = pipelines.pooling_analysis(args.checkpoint, out, blocks=args.blocks, layers=args.layers,
+                                      images=args.images, data_dir=args.data_dir, device=args.device)
+    rows, written = done.rows, done.files
     worst = max(r["dc_identity_err"] for r in rows)
-    print(f"{args.checkpoint} (epoch {ckpt['epoch']}): {len(rows)} (map, B) pairs; "
+    epoch = done.extra[0]["epoch"]
+    print(f"{args.checkpoint} (epoch {epoch}): {len(rows)} (map, B) pairs; "
           f"max |block mean - DC/sqrt(block size)| = {worst:.2e}")
     print("wrote " + ", ".join(map(str, written)))
     return 0
@@ -307,12 +315,15 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _add_figures_arguments(parser: argparse.ArgumentParser) -> None:
+    from freqact.analysis import pipelines
+
     add = parser.add_argument
     add("runs", nargs="+", metavar="RUN", help="run directories written by `freqact train`")
     add("--out", default="figures", help="folder for the figures and tables (default %(default)s)")
     add("--analysis-run", default=None, metavar="RUN",
         help="the run whose checkpoints λ, Theorem 3.1 and pooling read (default: the normal run)")
-    add("--ratio", type=float, default=0.1, help="kept fraction W/N for λ and Theorem 3.1 (default %(default)s)")
+    add("--ratio", type=float, default=pipelines.RATIO,
+        help="kept fraction W/N for λ and Theorem 3.1 (default %(default)s)")
     add("--data-dir", default=None, help="CIFAR folder's parent (default: the runs')")
     add("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")
 

@@ -26,14 +26,14 @@ import socket
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from freqact import _validate, data, distributed, figures, train
-from freqact.analysis import lambdas, theorem31
+from freqact.analysis import lambdas, pipelines, theorem31
 
 MODES = ("normal", "lfc", "hfc", "division")
 # Host of the official CIFAR archive (see freqact.data): the connectivity check only opens a TCP
@@ -51,9 +51,10 @@ class Plan:
         subset: training images (the first N of the training set).
         epochs: epochs per mode; a checkpoint is kept after each.
         batch_size, lr: the SGD recipe of `freqact.train` (cosine schedule over `epochs`).
-        ratio: kept fraction W/N of each frequency axis for LFC-ACT / HFC-ACT.
+        ratio: kept fraction W/N of each frequency axis, one value for LFC-ACT / HFC-ACT training
+            and for the λ and Theorem 3.1 analyses (the paper's 0.1), so that the analyses explain
+            the runs beside them.
         block, bits: DIVISION's block size B and HFC bits Q.
-        analysis_ratio: W/N of the λ and Theorem 3.1 analyses (the paper's 0.1).
         lambda_images, theorem_images, pooling_images: test images each analysis reads.
         seed: one seed for every run (same initial weights and data order in every mode).
     """
@@ -63,13 +64,12 @@ class Plan:
     epochs: int = 3
     batch_size: int = 64
     lr: float = 0.1
-    ratio: float = 0.5
+    ratio: float = pipelines.RATIO
     block: int = 8
     bits: int = 2
-    analysis_ratio: float = 0.1
-    lambda_images: int = 256
-    theorem_images: int = 128
-    pooling_images: int = 64
+    lambda_images: int = pipelines.LAMBDA_IMAGES
+    theorem_images: int = pipelines.THEOREM_IMAGES
+    pooling_images: int = pipelines.POOLING_IMAGES
     seed: int = 0
 
 
@@ -224,7 +224,7 @@ def run(
         results[mode] = train.train(config)
     stage(stages - 1, "analysing the runs and drawing the figures")
     figs = figures.make_all(
-        [runs_dir / mode for mode in MODES], out / "figures", ratio=plan.analysis_ratio,
+        [runs_dir / mode for mode in MODES], out / "figures", ratio=plan.ratio,
         lambda_images=plan.lambda_images, theorem_images=plan.theorem_images,
         pooling_images=plan.pooling_images, device=device,
         progress=lambda line: log(f"      {line}"))
@@ -245,20 +245,40 @@ def _has_cifar10(root: Path) -> bool:
     return True
 
 
+def _training_row(mode: str, result: dict, totals: dict) -> str:
+    """One row of report.md's training table: a run's accuracy (%), loss, speed and memory."""
+    metrics = result["metrics"]
+    final = metrics[-1]
+    total = totals[figures.run_label(result["config"])]
+    return (f"| {mode} | {figures.settings_label(result['config']) or '–'} | "
+            f"{100 * final['test_acc']:.1f} | {100 * max(m['test_acc'] for m in metrics):.1f} | "
+            f"{final['train_loss']:.3f} | {sum(m['images_per_s'] for m in metrics) / len(metrics):.0f} | "
+            f"{total['saved_bytes'] / 2**20:.2f} / {total['exact_bytes'] / 2**20:.2f} | "
+            f"{total['ratio']:.1f} |")
+
+
 def _report(plan: Plan, choice: DataChoice, results: dict, figs: dict, out: Path,
             timings: list[tuple[str, float]], started: float) -> str:
-    """The text of report.md."""
-    config = results["normal"]["config"]
-    analysed = Path(results["normal"]["run_dir"])
+    """The text of report.md: the sections below, formatted from the runs' results and tables."""
 
     def link(path) -> str:
         return Path(os.path.relpath(path, out)).as_posix()
 
-    lines = [
+    sections = (_run_lines(plan, choice, results, link, timings[-1][1] - started),
+                _training_lines(plan, results, figs), _lambda_lines(figs), _theorem_lines(figs),
+                _pooling_lines(figs), _figure_lines(figs, link), _time_lines(timings))
+    return "\n".join(line for lines in sections for line in lines) + "\n"
+
+
+def _run_lines(plan: Plan, choice: DataChoice, results: dict, link: Callable, seconds: float) -> list[str]:
+    """report.md's title and "What was run"."""
+    config = results["normal"]["config"]
+    analysed = Path(results["normal"]["run_dir"])
+    return [
         "# freqact demo",
         "",
         f"Written by `freqact demo` on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC "
-        f"in {timings[-1][1] - started:.0f} s (torch {torch.__version__}, "
+        f"in {seconds:.0f} s (torch {torch.__version__}, "
         f"{torch.get_num_threads()} CPU threads, device {config['device']}).",
         "",
         "## What was run",
@@ -271,33 +291,47 @@ def _report(plan: Plan, choice: DataChoice, results: dict, figs: dict, out: Path
         f"{plan.seed}; a checkpoint after every epoch.",
         *(f"- `{figures.run_label(results[mode]['config'])}`: {train.mode_title(mode)}, in "
           f"[runs/{mode}]({link(results[mode]['run_dir'])})" for mode in MODES),
-        f"- Analyses on the `normal` run ({link(analysed)}), W/N = {plan.analysis_ratio}: λ on "
+        f"- Analyses on the `normal` run ({link(analysed)}), W/N = {plan.ratio} (as LFC-ACT/HFC-ACT): λ on "
         f"{plan.lambda_images} test images per checkpoint, Theorem 3.1 on {plan.theorem_images}, "
         f"pooling on {plan.pooling_images}. Regenerate every figure from this folder with "
         f"`freqact figures {' '.join(link(results[m]['run_dir']) for m in MODES)} --out figures`.",
         "",
+    ]
+
+
+def _training_lines(plan: Plan, results: dict, figs: dict) -> list[str]:
+    """report.md's training table and the notes under it."""
+    lines = [
         "## Training (LFC-ACT vs HFC-ACT vs normal vs DIVISION)",
         "",
-        "| run | final test acc | best test acc | final train loss | images/s "
-        "| cached / plain MiB per batch | ratio |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| run | settings | final test acc (%) | best test acc (%) | final train loss | images/s "
+        "| cached / plain MiB per batch | compression × |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     totals = {row["run"]: row for row in figures.memory_totals(figs["compression"].rows)}
-    for mode in MODES:
-        metrics = results[mode]["metrics"]
-        final = metrics[-1]
-        total = totals[figures.run_label(results[mode]["config"])]
-        lines.append(
-            f"| {mode} | {final['test_acc']:.3f} | {max(m['test_acc'] for m in metrics):.3f} | "
-            f"{final['train_loss']:.3f} | {sum(m['images_per_s'] for m in metrics) / len(metrics):.0f} | "
-            f"{total['saved_bytes'] / 2**20:.2f} / {total['exact_bytes'] / 2**20:.2f} | "
-            f"{total['ratio']:.1f}x |")
+    lines += [_training_row(mode, results[mode], totals) for mode in MODES]
+    steps = -(-plan.subset // plan.batch_size)  # per epoch, fewer if the training set is smaller
     lines += [
+        "",
+        f"W/N is the kept fraction of each DCT frequency axis, B × B DIVISION's block and Q its HFC "
+        f"bits; compression × is plain PyTorch's bytes over the bytes cached. Test numbers after the "
+        f"first epoch can sit far below the training ones (accuracy near chance, loss above 10): "
+        f"evaluation normalises with BatchNorm's running statistics, a moving average (momentum 0.1) "
+        f"over the last training batches, and after {steps} SGD steps (one epoch) at lr {plan.lr} the weights have "
+        f"moved on from the ones those batches saw. The gap closes as the learning rate decays; it "
+        f"is not a codec effect (normal training shows it too).",
         "",
         f"Memory: bytes autograd caches for backward in one training-mode forward pass of "
         f"{next(iter(totals.values()))['images']} test images, measured by `freqact.compress`'s meter "
         "(`normal`: plain PyTorch storage); per layer in figures/compression.csv.",
         "",
+    ]
+    return lines
+
+
+def _lambda_lines(figs: dict) -> list[str]:
+    """report.md's λ table: one row per checkpoint."""
+    lines = [
         "## λ^L vs λ^H across checkpoints",
         "",
         "| epoch | block outputs × images | median λ^L | median λ^H | share λ^L > λ^H |",
@@ -308,10 +342,14 @@ def _report(plan: Plan, choice: DataChoice, results: dict, figs: dict, out: Path
         if row["layer"] == "(all)":
             lines.append(f"| {epochs[row['checkpoint']]} | {row['instances']} | {row['median_lam_L']:.3g} | "
                          f"{row['median_lam_H']:.3g} | {row['share_L_gt_H']:.1%} |")
+    return [*lines, ""]
+
+
+def _theorem_lines(figs: dict) -> list[str]:
+    """report.md's Theorem 3.1 paragraph."""
     s = theorem31.summarize(figs["theorem31"].rows)
     e2e = figs["theorem31"].rows
-    lines += [
-        "",
+    return [
         "## Theorem 3.1 (last checkpoint of the normal run)",
         "",
         f"Over {s['layers']} conv layers: err ≤ GEB held in {s['bound_holds']}, with median tightness "
@@ -321,6 +359,12 @@ def _report(plan: Plan, choice: DataChoice, results: dict, figs: dict, out: Path
         f"{statistics.median(r['e2e_err_L'] for r in e2e):.3g} with LFC-ACT and "
         f"{statistics.median(r['e2e_err_H'] for r in e2e):.3g} with HFC-ACT.",
         "",
+    ]
+
+
+def _pooling_lines(figs: dict) -> list[str]:
+    """report.md's pooling table: one row per block size."""
+    lines = [
         "## Pooling vs DCT low-pass (Theorem 4.1)",
         "",
         "| B | maps | median ‖LFC_pool − LFC_DCT‖/‖H‖ | mean energy share pool "
@@ -334,12 +378,21 @@ def _report(plan: Plan, choice: DataChoice, results: dict, figs: dict, out: Path
             f"{sum(r['energy_pool'] for r in rows) / len(rows):.3f} | "
             f"{sum(r['energy_dct'] for r in rows) / len(rows):.3f} | "
             f"{max(r['dc_identity_err'] for r in rows):.1e} |")
-    lines += ["", "## Figures", ""]
+    return [*lines, ""]
+
+
+def _figure_lines(figs: dict, link: Callable) -> list[str]:
+    """report.md's figures, each with its caption and links to its other files."""
+    lines = ["## Figures", ""]
     for fig in figs.values():
         png = next(p for p in fig.files if p.suffix == ".png")
         others = ", ".join(f"[{p.suffix[1:]}]({link(p)})" for p in fig.files if p != png)
         lines += [f"### {fig.name}", "", f"![{fig.name}]({link(png)})", "", f"{fig.caption} ({others})", ""]
-    lines += ["## Time per stage", "", "| stage | seconds |", "| --- | ---: |"]
-    lines += [f"| {name} | {end - begin:.1f} |" for (name, begin), (_, end) in zip(timings, timings[1:])]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _time_lines(timings: list[tuple[str, float]]) -> list[str]:
+    """report.md's time per stage."""
+    return ["## Time per stage", "", "| stage | seconds |", "| --- | ---: |",
+            *(f"| {name} | {end - begin:.1f} |" for (name, begin), (_, end) in zip(timings, timings[1:]))]
 

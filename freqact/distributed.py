@@ -1,4 +1,4 @@
-"""The few DistributedDataParallel helpers the trainer needs, for runs under `torchrun`.
+"""The few DDP / FSDP2 helpers the trainer needs, for runs under `torchrun`.
 
 `torchrun --nproc_per_node=K [--nnodes ...]` sets RANK, WORLD_SIZE and LOCAL_RANK (and the
 rendezvous address) in each process's environment; `setup` reads them and joins the process group
@@ -9,6 +9,11 @@ A group that `setup` creates is destroyed by `teardown` at the end of `train`. U
 creating a second group in the same process hangs in torchrun's rendezvous store, so a script that
 calls `train` several times creates the group itself once (`dist.init_process_group("gloo")`);
 `train` then uses that group and leaves it alone.
+
+`wrap` gives the module a training step calls: the model itself with one process, else
+DistributedDataParallel, or with `fsdp` the model sharded in place by FSDP2 (`fully_shard` on each
+block, then on the root). `full_state` / `load_full_state` move whole (unsharded) state dicts in
+and out, so a checkpoint of an FSDP2 run has the same model state dict as any other.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -113,3 +119,69 @@ def barrier(ctx: Context) -> None:
     """Wait for every process (no-op with one process)."""
     if ctx.world_size > 1:
         dist.barrier()
+
+
+def wrap(net: nn.Module, ctx: Context, *, fsdp: bool = False,
+         blocks: tuple[type[nn.Module], ...] = ()) -> nn.Module:
+    """The module the training step calls (with one process: `net` itself, never sharded).
+
+    Args:
+        net: the model, already on `ctx.device`.
+        fsdp: shard with FSDP2 instead of DDP: `fully_shard` on every submodule of a `blocks`
+            type (each a unit whose weights are gathered only for its own forward and backward),
+            then on `net` for the rest. `net` is changed in place (DTensor parameters), so
+            build the optimizer after this call.
+
+    Returns:
+        DistributedDataParallel(net), or `net`.
+    """
+    if ctx.world_size == 1:
+        return net
+    if not fsdp:
+        return nn.parallel.DistributedDataParallel(
+            net, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    for module in [m for m in net.modules() if blocks and isinstance(m, blocks)]:
+        fully_shard(module, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net
+
+
+def _state_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_state(net: nn.Module, optimizer: torch.optim.Optimizer, ctx: Context,
+               fsdp: bool) -> tuple[dict | None, dict | None]:
+    """(model, optimizer) state dicts, whole, on rank 0 ((None, None) on the other ranks).
+
+    With FSDP2 every rank must call this (the shards are gathered); the model dict then has the
+    plain names and tensors (on the CPU) of `net.state_dict()` without sharding, and the optimizer
+    dict is keyed by parameter names (`torch.distributed.checkpoint.state_dict`'s full form).
+    """
+    if fsdp and ctx.world_size > 1:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(net, optimizer, options=_state_options())
+        return (model, optim) if ctx.is_main else (None, None)
+    if not ctx.is_main:
+        return None, None
+    return net.state_dict(), optimizer.state_dict()
+
+
+def load_full_state(net: nn.Module, optimizer: torch.optim.Optimizer, model: dict, optim: dict,
+                    ctx: Context, fsdp: bool) -> None:
+    """Load whole state dicts written by `full_state` (every rank reads the same checkpoint)."""
+    if fsdp and ctx.world_size > 1:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(net, optimizer, model_state_dict=model, optim_state_dict=optim,
+                       options=_state_options())
+        return
+    net.load_state_dict(model)
+    optimizer.load_state_dict(optim)

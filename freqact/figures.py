@@ -23,20 +23,20 @@ training-mode forward pass on its first `batch_size` test images inside
 `engine.compress(model, <the run's codec>)` and the meter's `per_layer()` table is kept (for
 `normal` runs its plain-PyTorch column, `exact_bytes`). Every codec's packed size depends only on
 the tensor shapes, so this is exactly what one training step of that batch size caches, and any
-finished run can be measured again without retraining. The analysis run is the `normal` run when one is given (the paper's
-analyses are of normal training), else the first run.
+finished run can be measured again without retraining. The analysis run is the `normal` run when
+one is given (the paper's analyses are of normal training), else the first run.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
 from freqact import _validate, checkpoint, engine, plots, rundir, train
-from freqact.analysis import common, lambdas, pooling, theorem31
+from freqact.analysis import common, pipelines
 
 FIGURES = ("lambdas", "training", "theorem31", "pooling", "compression")
 # The metrics columns the training figure plots (a bad row is refused naming file and line).
@@ -51,13 +51,17 @@ CAPTIONS = {
                 "LFC-ACT vs HFC-ACT vs normal training (the paper's Fig. 3 b, c), with DIVISION.",
     "theorem31": "Theorem 3.1 per conv layer of the analysis run's last checkpoint: (a) the "
                  "weight-gradient error when only that layer caches its input's LFC (err^L) or HFC "
-                 "(err^H), against the bounds GEB^L, GEB^H; (b) the bounds' tightness err/GEB; "
-                 "(c) err^L / err^H measured directly.",
+                 "(err^H), against the bounds GEB^L = c‖∇y‖λ^H, GEB^H = c‖∇y‖λ^L (c: the layer's "
+                 "kernel factor, √ of the most kernel taps that read one input element); (b) the "
+                 "bounds' tightness err/GEB; (c) err^L / err^H measured directly; (d) the "
+                 "whole-network gradient cosine with the exact gradient per checkpoint.",
     "pooling": "DIVISION's block-mean LFC against the DCT low-pass keeping W/N = 1/B, per activation "
                "map and block size B: their relative distance and the energy share each captures "
-               "(Theorem 4.1: average pooling is a low-pass filter).",
-    "compression": "Bytes each layer caches for backward in each run's mode (one training batch), and "
-                   "their running total along the forward pass against plain PyTorch's. A storage "
+               "(Theorem 4.1: average pooling is a low-pass filter). The distance is 0 where B covers "
+               "the whole map: both then keep its mean alone.",
+    "compression": "Bytes each layer caches for backward in each run's mode (one training batch; layers "
+                   "in forward order from the top), and their running total along the forward pass "
+                   "against plain PyTorch's. A storage "
                    "several layers save belongs to the first (a conv reading a ReLU's output shows "
                    "no plain bytes: the ReLU holds them).",
 }
@@ -80,11 +84,29 @@ class Figure:
     rows: list[dict]
 
 
+# How figures name the data sets of `freqact.data.DATASETS`.
+_DATASET_NAMES = {"cifar10": "CIFAR-10", "cifar100": "CIFAR-100", "digits": "scikit-learn digits",
+                  "synthetic": "synthetic data"}
+# The paper's symbols for the codec settings (W/N kept fraction, B block size, Q HFC bits).
+_SYMBOLS = {"ratio": "W/N", "block": "B", "bits": "Q"}
+
+
+def settings_label(config: dict) -> str:
+    """A run's codec settings in the paper's symbols, e.g. "B=8, Q=2"; "" for normal/exact."""
+    params = train.RunConfig.from_dict(config).label_params()
+    return ", ".join(f"{_SYMBOLS.get(k, k)}={v}" for k, v in params.items())
+
+
 def run_label(config: dict) -> str:
-    """A short label of a run's mode and codec settings, e.g. "division (block=8, bits=2)"."""
-    settings = ", ".join(f"{k}={v}" for k, v in
-                         train.RunConfig.from_dict(config).label_params().items())
+    """A short label of a run's mode and codec settings, e.g. "division (B=8, Q=2)"."""
+    settings = settings_label(config)
     return f"{config['mode']} ({settings})" if settings else config["mode"]
+
+
+def describe(config: dict) -> str:
+    """A run's model and data for figure notes, e.g. "resnet20 on CIFAR-10 (5000 training images)"."""
+    images = f" ({config['subset']} training images)" if config.get("subset") else ""
+    return f"{config['model']} on {_DATASET_NAMES.get(config['dataset'], config['dataset'])}{images}"
 
 
 def layer_memory(path: str | os.PathLike, *, images: int | None = None,
@@ -130,17 +152,21 @@ def make_all(
     out: str | os.PathLike,
     *,
     analysis_run: str | os.PathLike | None = None,
-    ratio: float = 0.1,
-    blocks: Sequence[int] = (2, 4, 8, 16),
-    lambda_images: int = 256,
-    theorem_images: int = 128,
-    pooling_images: int = 64,
+    ratio: float = pipelines.RATIO,
+    blocks: Sequence[int] = pipelines.BLOCKS,
+    lambda_images: int = pipelines.LAMBDA_IMAGES,
+    theorem_images: int = pipelines.THEOREM_IMAGES,
+    pooling_images: int = pipelines.POOLING_IMAGES,
     memory_images: int | None = None,
     data_dir: str | os.PathLike | None = None,
     device: str | torch.device = "cpu",
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Figure]:
     """Compute every table from the run directories and draw every figure into `out`.
+
+    The λ, Theorem 3.1 and pooling tables come from `freqact.analysis.pipelines` (the same
+    pipelines as `freqact lambdas|theorem31|pooling`); a table already in `out` whose settings
+    sidecar matches is reused instead of measured again.
 
     Args:
         run_dirs: run directories written by `freqact.train` (one per mode, typically).
@@ -173,35 +199,45 @@ def make_all(
                for label, r in zip(labels, runs)
                for row in rundir.RunDir(r).read_metrics(numbers=TRAINING_COLUMNS)]
     main_run = _analysis_run(runs, configs, analysis_run)
+    main_config = configs[runs.index(main_run)]
+    model_data = describe(main_config)
     out = Path(out)
     say = progress or (lambda line: None)
     made: dict[str, Figure] = {}
 
     say(f"lambdas: λ per block output across the checkpoints of {main_run}")
-    rows = lambdas.from_checkpoints([main_run], ratio=ratio, images=lambda_images,
-                                    data_dir=data_dir, device=device)
-    made["lambdas"] = _figure("lambdas", out, rows, plots.lambdas_figure)
+    shared = {"data_dir": data_dir, "device": device, "reuse": True}  # every analysis pipeline's
+    done = pipelines.lambdas_analysis(
+        [main_run], out, ratio=ratio, images=lambda_images, **shared,
+        note=f"{main_run.name} run: {model_data}; {lambda_images} test images, W/N = {ratio}")
+    made["lambdas"] = _analysis_figure("lambdas", done)
 
     say("memory: bytes cached per layer, one training batch per run")
     memory = [{"run": label, **row} for label, path in zip(labels, map(_last_checkpoint, runs))
               for row in layer_memory(path, images=memory_images, data_dir=data_dir, device=device)]
     totals = memory_totals(memory)
+    trained = "; ".join(dict.fromkeys(f"{describe(c)}, batch {c['batch_size']}" for c in configs))
+    memory_note = f"memory: one training batch of {totals[0]['images']} test images"
     made["training"] = _figure(
-        "training", out, metrics, lambda rows, stem: plots.training_figure(rows, stem, memory=totals))
+        "training", out, metrics,
+        lambda rows, stem, note: plots.training_figure(rows, stem, memory=totals, note=note),
+        f"{trained}; {memory_note}")
 
     main_ckpt = _last_checkpoint(main_run)
-    model, ckpt = checkpoint.load_model(main_ckpt, device)
     say(f"theorem31: gradient errors vs bounds on {main_ckpt}")
-    x, y = common.eval_batch(model, ckpt["config"], theorem_images, data_dir, device)
-    rows = theorem31.measure(model, x, y, ratio=ratio)
-    made["theorem31"] = _figure("theorem31", out, rows, plots.theorem31_figure)
+    last = f"{main_run.name} run, last checkpoint: {model_data}"
+    done = pipelines.theorem31_analysis(
+        [main_ckpt], out, ratio=ratio, images=theorem_images, **shared,
+        note=f"{last}; a batch of {theorem_images} test images, W/N = {ratio}")
+    made["theorem31"] = _analysis_figure("theorem31", done)
 
     say(f"pooling: block means vs DCT low-pass on {main_ckpt}")
-    x, _ = common.eval_batch(model, ckpt["config"], pooling_images, data_dir, device)
-    rows = pooling.measure(model, x, blocks=blocks)
-    made["pooling"] = _figure("pooling", out, rows, plots.pooling_figure)
+    done = pipelines.pooling_analysis(main_ckpt, out, blocks=blocks, images=pooling_images, **shared,
+                                      note=f"{last}; {pooling_images} test images")
+    made["pooling"] = _analysis_figure("pooling", done)
 
-    made["compression"] = _figure("compression", out, memory, plots.compression_figure)
+    made["compression"] = _figure("compression", out, memory, plots.compression_figure,
+                                  f"{model_data}, each run's last checkpoint; {memory_note}")
     return made
 
 
@@ -236,10 +272,16 @@ def _codec_params(config: dict) -> dict:
     return train.RunConfig.from_dict(config).codec_params()
 
 
-def _figure(name: str, out: Path, rows: list[dict], draw: Callable) -> Figure:
-    """Write `rows` as out/NAME.csv and draw them as out/NAME.png/.pdf."""
-    files = [common.write_csv(rows, out / f"{name}.csv"), *draw(rows, out / name)]
+def _figure(name: str, out: Path, rows: list[dict], draw: Callable, note: str) -> Figure:
+    """Write `rows` as out/NAME.csv and draw them as out/NAME.png/.pdf with `note` above."""
+    files = [common.write_csv(rows, out / f"{name}.csv"), *draw(rows, out / name, note=note)]
     return Figure(name, CAPTIONS[name], files, rows)
+
+
+def _analysis_figure(name: str, done: pipelines.Analysis) -> Figure:
+    """A pipeline's table and figure as a Figure (its extra tables stay in the folder, unlisted)."""
+    files = [p for p in done.files if p.stem == name and p.suffix in (".csv", ".png", ".pdf")]
+    return Figure(name, CAPTIONS[name], files, done.rows)
 
 
 def _analysis_run(runs: list[Path], configs: list[dict], chosen) -> Path:

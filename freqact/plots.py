@@ -1,24 +1,30 @@
 """Figures drawn from result tables (lists of dicts, as `freqact.analysis` returns them).
 
-Each function takes a table and a path stem and writes `stem.png` and `stem.pdf`. Figures are
-built as `matplotlib.figure.Figure` objects, never through pyplot, so nothing needs a display and
-no global state (backend, rcParams) is touched.
+Each function takes a table and a path stem and writes `stem.png` and `stem.pdf`; `note`, a line
+saying what the table was measured on (data set, model, batch size, W/N or B, Q), is drawn under
+the figure's title. Accuracy is drawn in %. Figures are built as `matplotlib.figure.Figure`
+objects, never through pyplot, so nothing needs a display and no global state (backend,
+rcParams) is touched.
 """
 from __future__ import annotations
 
 import os
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 _LOW, _HIGH = "tab:blue", "tab:orange"
 
 
-def _save(fig: Figure, stem: str | os.PathLike) -> list[Path]:
-    """Write `fig` as stem.png and stem.pdf; return both paths."""
+def _save(fig: Figure, stem: str | os.PathLike, note: str = "") -> list[Path]:
+    """Write `fig` as stem.png and stem.pdf, with `note` as a line above the panels; return both paths."""
+    if note:
+        fig.suptitle(note, fontsize=9)
+    fig.tight_layout()
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
     paths = [stem.with_name(stem.name + ".png"), stem.with_name(stem.name + ".pdf")]
@@ -43,13 +49,14 @@ def _layer_axis(ax, layers: Sequence[str]) -> None:
     ax.set_xlabel("layer")
 
 
-def lambdas_figure(rows: Sequence[dict], stem: str | os.PathLike) -> list[Path]:
+def lambdas_figure(rows: Sequence[dict], stem: str | os.PathLike, *, note: str = "") -> list[Path]:
     """The paper's Fig. 4: per layer λ^L beside λ^H (mean ± std over instances), log scale.
 
     Args:
         rows: `analysis.lambdas` rows ("layer", "lam_L", "lam_H"), optionally with "checkpoint"
             and "epoch" columns; one panel per checkpoint.
         stem: output path without suffix.
+        note: what the rows were measured on, drawn above the panels.
 
     Returns:
         [stem.png, stem.pdf].
@@ -75,12 +82,11 @@ def lambdas_figure(rows: Sequence[dict], stem: str | os.PathLike) -> list[Path]:
         ax.set_title(titles[key] or "checkpoint")
         _layer_axis(ax, list(layers))
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    return _save(fig, stem)
+    return _save(fig, stem, note)
 
 
 def theorem31_figure(rows: Sequence[dict], stem: str | os.PathLike, *,
-                     fidelity: Sequence[dict] | None = None) -> list[Path]:
+                     fidelity: Sequence[dict] | None = None, note: str = "") -> list[Path]:
     """Theorem 3.1 per conv layer, tested for what it claims (log scales):
 
     (a) measured errors err^L, err^H against their bounds GEB^L, GEB^H (the bound holds when each
@@ -93,6 +99,7 @@ def theorem31_figure(rows: Sequence[dict], stem: str | os.PathLike, *,
         rows: `analysis.theorem31.measure` rows (optionally with "checkpoint"/"epoch").
         stem: output path without suffix.
         fidelity: `theorem31.gradient_fidelity` rows with "epoch", "cos_L", "cos_H".
+        note: what the rows were measured on, drawn above the panels.
 
     Returns:
         [stem.png, stem.pdf].
@@ -111,8 +118,7 @@ def theorem31_figure(rows: Sequence[dict], stem: str | os.PathLike, *,
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     if fidelity:
         _fidelity_panel(axes[3], fidelity)
-    fig.tight_layout()
-    return _save(fig, stem)
+    return _save(fig, stem, note)
 
 
 def _ratio(num: float, den: float) -> float:
@@ -128,7 +134,9 @@ def _theorem_layer_panels(axes, rows: Sequence[dict]) -> None:
     bound_ax.plot(pos, [r["GEB_L"] for r in rows], "_", color=_LOW, markersize=14, label="GEB^L = c‖∇y‖λ^H")
     bound_ax.plot(pos, [r["GEB_H"] for r in rows], "_", color=_HIGH, markersize=14, label="GEB^H = c‖∇y‖λ^L")
     bound_ax.set_ylabel("‖∇̂W − ∇W‖_F")
-    bound_ax.set_title("(a) weight-gradient error of one layer's cached input vs its bound")
+    bound_ax.set_title("(a) weight-gradient error of one layer's cached input vs its bound\n"
+                       "c = √(most kernel taps reading one input element): 3 for a stride-1 3×3 conv",
+                       fontsize=9)
     for band, color in (("L", _LOW), ("H", _HIGH)):
         tight = [_ratio(r[f"err_{band}"], r[f"GEB_{band}"]) for r in rows]
         tight_ax.plot(pos, tight, "o", color=color, label=f"err^{band} / GEB^{band}")
@@ -154,13 +162,17 @@ def _fidelity_panel(ax, fidelity: Sequence[dict]) -> None:
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
-def pooling_figure(rows: Sequence[dict], stem: str | os.PathLike) -> list[Path]:
+def pooling_figure(rows: Sequence[dict], stem: str | os.PathLike, *, note: str = "") -> list[Path]:
     """Block-mean LFC vs DCT low-pass: relative distance, and energy each captures, per layer
     and block size.
+
+    The distance axis is linear: where B covers the whole map both keep only the DC coefficient
+    and the distance is 0 to rounding, which a log axis would stretch down to 1e-16.
 
     Args:
         rows: `analysis.pooling` rows ("layer", "block", "rel_dist", "energy_pool", "energy_dct").
         stem: output path without suffix.
+        note: what the rows were measured on, drawn above the panels.
 
     Returns:
         [stem.png, stem.pdf].
@@ -178,20 +190,19 @@ def pooling_figure(rows: Sequence[dict], stem: str | os.PathLike) -> list[Path]:
         dist_ax.plot(idx, [r["rel_dist"] for _, r in present], "o-", color=color, label=f"B={block}")
         energy_ax.plot(idx, [r["energy_pool"] for _, r in present], "o-", color=color, label=f"pool B={block}")
         energy_ax.plot(idx, [r["energy_dct"] for _, r in present], "x--", color=color, label=f"DCT W=N/{block}")
-    dist_ax.set_yscale("log", nonpositive="mask")
     dist_ax.set_ylabel("‖LFC_pool − LFC_DCT‖ / ‖H‖")
-    dist_ax.set_title("block-mean LFC vs DCT low-pass")
+    dist_ax.set_title("block-mean LFC vs DCT low-pass (0 where B ≥ the map: both keep the DC alone)",
+                      fontsize=9)
     energy_ax.set_ylabel("energy share ‖LFC‖² / ‖H‖²")
     energy_ax.set_ylim(0, 1.02)
     for ax in (dist_ax, energy_ax):
         _layer_axis(ax, layers)
         ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    return _save(fig, stem)
+    return _save(fig, stem, note)
 
 
 def training_figure(rows: Sequence[dict], stem: str | os.PathLike,
-                    memory: Sequence[dict] | None = None) -> list[Path]:
+                    memory: Sequence[dict] | None = None, *, note: str = "") -> list[Path]:
     """The paper's Fig. 3 (b, c): test accuracy and training loss per epoch of several runs and,
     given `memory`, the activation memory each run caches for one batch.
 
@@ -201,6 +212,7 @@ def training_figure(rows: Sequence[dict], stem: str | os.PathLike,
         stem: output path without suffix.
         memory: optional rows ("run", "exact_bytes", "saved_bytes"), one per run: a third panel
             with bars of the cached bytes and plain PyTorch's bytes as outlines.
+        note: what the runs trained on (data set, model, batch size), drawn above the panels.
 
     Returns:
         [stem.png, stem.pdf].
@@ -211,7 +223,7 @@ def training_figure(rows: Sequence[dict], stem: str | os.PathLike,
     curves: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
         curves[row["run"]].append(row)
-    fig = Figure(figsize=(13.0 if memory is not None else 9.0, 3.6))
+    fig = Figure(figsize=(13.0 if memory is not None else 9.0, 4.2))
     axes = fig.subplots(1, 3 if memory is not None else 2)
     for i, (run, members) in enumerate(curves.items()):
         members = sorted(members, key=lambda r: r["epoch"])
@@ -222,28 +234,34 @@ def training_figure(rows: Sequence[dict], stem: str | os.PathLike,
     axes[1].set_ylabel("training loss")
     for ax in axes[:2]:
         ax.set_xlabel("epoch")
-        ax.legend(fontsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    # one legend for both curve panels, below them, where it covers no point
+    axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.18), ncol=2)
     if memory is not None:
-        ax = axes[2]
-        pos = np.arange(len(memory))
-        mib = 2.0 ** 20
-        ax.bar(pos, [r["exact_bytes"] / mib for r in memory], fill=False, edgecolor="black",
-               label="plain PyTorch")
-        bars = ax.bar(pos, [r["saved_bytes"] / mib for r in memory], width=0.6,
-                      color=[f"C{i}" for i in range(len(memory))], label="cached")
-        for bar, r in zip(bars, memory):
-            ratio = r["exact_bytes"] / r["saved_bytes"] if r["saved_bytes"] else float("inf")
-            ax.annotate(f"{ratio:.1f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(pos)
-        ax.set_xticklabels([r["run"] for r in memory], rotation=30, ha="right", fontsize=7)
-        ax.set_ylabel("activation memory per batch (MiB)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    return _save(fig, stem)
+        _memory_panel(axes[2], memory)
+    return _save(fig, stem, note)
 
 
-def compression_figure(rows: Sequence[dict], stem: str | os.PathLike) -> list[Path]:
+def _memory_panel(ax, memory: Sequence[dict]) -> None:
+    """Bars of each run's cached MiB inside outlines of plain PyTorch's, labelled with the ratio."""
+    pos = np.arange(len(memory))
+    mib = 2.0 ** 20
+    ax.bar(pos, [r["exact_bytes"] / mib for r in memory], fill=False, edgecolor="black",
+           label="plain PyTorch")
+    bars = ax.bar(pos, [r["saved_bytes"] / mib for r in memory], width=0.6,
+                  color=[f"C{i}" for i in range(len(memory))], label="cached")
+    for bar, r in zip(bars, memory):
+        ratio = r["exact_bytes"] / r["saved_bytes"] if r["saved_bytes"] else float("inf")
+        ax.annotate(f"{ratio:.1f}×", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(pos)
+    ax.set_xticklabels([r["run"] for r in memory], rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("MiB cached, one training batch")
+    ax.set_ylim(0, 1.3 * max(r["exact_bytes"] for r in memory) / mib)  # room for the legend
+    ax.legend(fontsize=7, loc="upper right", ncol=2)
+
+
+def compression_figure(rows: Sequence[dict], stem: str | os.PathLike, *, note: str = "") -> list[Path]:
     """Per layer and run: bytes cached for backward, and their running total along the forward pass.
 
     A storage saved by several layers belongs to the first that saved it (the meter's rule), so a
@@ -254,7 +272,9 @@ def compression_figure(rows: Sequence[dict], stem: str | os.PathLike) -> list[Pa
         rows: `engine.Meter.per_layer()` rows ("layer", "saved_bytes", "exact_bytes") with a "run"
             column; one series per run. Layers are placed in first-seen order; the model itself
             (layer "") shows as "(model)". Plain PyTorch's bytes are the first run's exact_bytes.
+            Layers run down the y axis, so that every name stays readable.
         stem: output path without suffix.
+        note: what the rows were measured on (data set, model, batch size), drawn above the panels.
 
     Returns:
         [stem.png, stem.pdf].
@@ -267,23 +287,27 @@ def compression_figure(rows: Sequence[dict], stem: str | os.PathLike) -> list[Pa
     first = next(iter(runs.values()))
     series = [(run, table, "saved_bytes", f"C{i}", "o") for i, (run, table) in enumerate(runs.items())]
     series.append(("plain PyTorch", first, "exact_bytes", "black", "_"))
-    fig = Figure(figsize=(max(6.0, 0.18 * len(layers) + 3), 7.0))
-    bytes_ax, total_ax = fig.subplots(2, 1, sharex=True)
+    fig = Figure(figsize=(11.0, max(4.0, 0.16 * len(layers) + 1.5)))
+    bytes_ax, total_ax = fig.subplots(1, 2, sharey=True)
     for label, table, column, color, marker in series:
         pos = np.array([layers.index(layer) for layer in table])
         values = np.array([r[column] for r in table.values()], dtype=float)
-        bytes_ax.plot(pos, values / 2**10, marker, color=color, markersize=4, label=label)
-        total_ax.plot(pos, np.cumsum(values) / 2**20, "-" if marker == "o" else "--", color=color,
+        bytes_ax.plot(values / 2**10, pos, "o" if marker == "o" else "|", color=color, markersize=4,
                       label=label)
-    bytes_ax.set_yscale("log", nonpositive="mask")
-    bytes_ax.set_ylabel("cached by the layer (KiB)")
-    bytes_ax.set_title("activation memory per layer, one training batch")
-    total_ax.set_ylabel("running total (MiB)")
-    _layer_axis(total_ax, [layer or "(model)" for layer in layers])
+        total_ax.plot(np.cumsum(values) / 2**20, pos, "-" if marker == "o" else "--", color=color,
+                      label=label)
+    bytes_ax.set_xscale("log", nonpositive="mask")
+    bytes_ax.set_xlabel("cached by the layer (KiB)")
+    bytes_ax.set_title("per layer, one training batch", fontsize=9)
+    bytes_ax.set_yticks(range(len(layers)))
+    bytes_ax.set_yticklabels([layer or "(model)" for layer in layers], fontsize=7)
+    bytes_ax.set_ylim(len(layers) - 0.5, -0.5)  # forward order from the top
+    total_ax.set_xlabel("running total (MiB)")
+    total_ax.set_title("running total along the forward pass", fontsize=9)
+    total_ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     for ax in (bytes_ax, total_ax):
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    return _save(fig, stem)
+        ax.grid(axis="x", alpha=0.3)
+    return _save(fig, stem, note)
 
 
 def sweep_figure(rows: Sequence[dict], stem: str | os.PathLike, *, title: str = "",
@@ -324,5 +348,4 @@ def sweep_figure(rows: Sequence[dict], stem: str | os.PathLike, *, title: str = 
     ratio_ax.set_ylabel("activation compression (x)")
     ratio_ax.set_xticks(pos)
     ratio_ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
-    fig.tight_layout()
     return _save(fig, stem)

@@ -29,8 +29,8 @@ import csv
 import io
 import json
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from freqact import checkpoint
 
@@ -41,7 +41,7 @@ except ImportError:  # pragma: no cover - Windows: no advisory locks, runs are n
 
 # Fields that may change when a run is resumed; all others must match the stored run. The kernel
 # backend changes like the device does (same format, another noise stream); `kernels` records it.
-RESUMABLE_CHANGES = ("device", "workers", "out", "resume", "save_epochs", "save_every", "download",
+RESUMABLE_CHANGES = ("device", "out", "resume", "save_epochs", "save_every", "download",
                      "data_dir", "log_every", "backend", "kernels")
 # Settings added after runs were written: what a stored config without them trained with.
 ADDED_SETTINGS = {"optimizer": "sgd", "model_options": {}}
@@ -66,6 +66,11 @@ class RunDir:
 
     Raises:
         ValueError: if `path` is empty (it would mean the current directory).
+
+    Example:
+        >>> run = RunDir("runs/demo")
+        >>> run.last.as_posix(), run.epoch_path(3).as_posix()
+        ('runs/demo/ckpt/last.pt', 'runs/demo/ckpt/epoch-0003.pt')
     """
 
     def __init__(self, path: str | os.PathLike) -> None:

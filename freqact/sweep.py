@@ -55,32 +55,27 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import json
 import math
 import multiprocessing
 import os
 import re
 import statistics
-import sys
 import traceback
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
-from typing import Iterator, Sequence
 
-from freqact import _validate, checkpoint, codecs, distributed, rundir, train
+from freqact import _validate, codecs, distributed, rundir, train
 from freqact.errors import UsageTypeError
+from freqact.specfile import MAX_SPEC_BYTES, MAX_SPEC_NODES, load_spec, presets  # noqa: F401  (sweep API)
 
 SPEC_KEYS = ("name", "description", "base", "grid", "variants")
 # RunConfig fields the sweep sets itself.
 MANAGED_FIELDS = ("out", "resume", "device")
-_FORMATS = {".toml": "toml", ".json": "json", ".yaml": "yaml", ".yml": "yaml"}
 # The codec settings that label runs and fill result columns: those the codecs give a symbol.
 _LABELLED = tuple(s for s in codecs.mode_settings() if s.symbol)
-# Bounds on a spec: its file, its YAML expansion and the runs it may ask for.
-MAX_SPEC_BYTES = 1 << 20
-MAX_SPEC_NODES = 100_000
+# Bound on the runs a spec may ask for (the file and its YAML expansion: freqact.specfile).
 MAX_RUNS = 10_000
 
 
@@ -121,43 +116,6 @@ class Study:
     out: Path
     group_fields: tuple[str, ...]
     runs: tuple[Run, ...]
-
-
-def presets() -> list[str]:
-    """Names of the specs shipped in `freqact/presets/` (e.g. "ablation-cpu")."""
-    folder = resources.files("freqact").joinpath("presets")
-    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".toml"))
-
-
-def load_spec(spec: str | os.PathLike) -> dict:
-    """Read a spec file (.toml, .json, .yaml/.yml) or a preset by name.
-
-    Args:
-        spec: a path, or a name from `presets()`.
-
-    Returns:
-        The spec as a dict; `name` defaults to the file's stem.
-
-    Raises:
-        FileNotFoundError: if `spec` is neither a file nor a preset.
-        ValueError: for an unknown suffix or a file that does not parse.
-    """
-    path = Path(spec)
-    if path.is_file():
-        suffix = path.suffix.lower()
-        if suffix not in _FORMATS:
-            raise ValueError(f"spec: expected a {', '.join(_FORMATS)} file, got {path}")
-        text, fmt = _read_spec_text(path), _FORMATS[suffix]
-    elif str(spec) in presets():
-        text = resources.files("freqact").joinpath("presets", f"{spec}.toml").read_text("utf-8")
-        fmt = "toml"
-    else:
-        raise FileNotFoundError(f"spec: {spec} is neither a file nor a preset "
-                                f"(presets: {', '.join(presets())})")
-    raw = _parse(text, fmt, path)
-    if not isinstance(raw, dict):
-        raise UsageTypeError(f"spec: expected a mapping at the top of {spec}, got {type(raw).__name__}")
-    return {"name": path.stem, **raw}
 
 
 def expand(spec: dict, out: str | os.PathLike | None = None, *, data_dir: str | None = None,
@@ -322,7 +280,8 @@ def results_table(study: Study) -> list[dict]:
 
     Returns:
         Rows with "label", the group fields, "mode", one key per labelled codec setting ("block",
-        "bits", "ratio"; None where the mode has no such setting), "epochs", "seeds" (finished runs), "runs" (planned runs),
+        "bits", "ratio"; None where the mode has no such setting), "epochs", "seeds" (finished runs),
+        "runs" (planned runs),
         "final_acc_mean", "final_acc_std", "best_acc_mean", "best_acc_std" (test accuracy in
         [0, 1]; std is the sample std, None with fewer than 2 seeds), "images_per_s",
         "compression_ratio", "saved_mib" (None when no finished run has them).
@@ -330,27 +289,32 @@ def results_table(study: Study) -> list[dict]:
     arms: dict[tuple, list[Run]] = {}
     for r in study.runs:
         arms.setdefault((r.label, r.group), []).append(r)
-    rows = []
-    for (label, group), members in arms.items():
-        config = members[0].config
-        params = config.label_params()
-        finished = [m for m in (read_metrics(r.run_dir) for r in members)
-                    if rundir.reaches(m, config.epochs)]
-        row = {"label": label, **dict(group), "mode": config.mode,
-               **{s.name: params.get(s.name) for s in _LABELLED}, "epochs": config.epochs,
-               "seeds": len(finished), "runs": len(members)}
-        for name, values in (("final_acc", [m[-1]["test_acc"] for m in finished]),
-                             ("best_acc", [max(e["test_acc"] for e in m) for m in finished])):
-            row[f"{name}_mean"] = statistics.fmean(values) if values else None
-            row[f"{name}_std"] = statistics.stdev(values) if len(values) > 1 else None
-        # the first epoch pays for warm-up (allocator, kernel compilation)
-        row["images_per_s"] = _mean([statistics.fmean(e["images_per_s"] for e in m[1:] or m)
-                                     for m in finished])
-        row["compression_ratio"] = _mean([m[-1].get("compression_ratio") for m in finished])
-        saved = _mean([m[-1].get("saved_bytes") for m in finished])
-        row["saved_mib"] = saved / 2**20 if saved is not None else None
-        rows.append(row)
-    return rows
+    return [_arm_row(label, group, members) for (label, group), members in arms.items()]
+
+
+def _arm_row(label: str, group: tuple, members: list[Run]) -> dict:
+    """`results_table`'s row of one arm (its runs differ only in the seed)."""
+    config = members[0].config
+    params = config.label_params()
+    finished = [m for m in (read_metrics(r.run_dir) for r in members) if rundir.reaches(m, config.epochs)]
+    return {"label": label, **dict(group), "mode": config.mode,
+            **{s.name: params.get(s.name) for s in _LABELLED}, "epochs": config.epochs,
+            "seeds": len(finished), "runs": len(members), **_seed_stats(finished)}
+
+
+def _seed_stats(finished: list[list[dict]]) -> dict:
+    """Accuracy mean/std, speed and memory over the finished seeds' metrics (see `results_table`)."""
+    row = {}
+    for name, values in (("final_acc", [m[-1]["test_acc"] for m in finished]),
+                         ("best_acc", [max(e["test_acc"] for e in m) for m in finished])):
+        row[f"{name}_mean"] = statistics.fmean(values) if values else None
+        row[f"{name}_std"] = statistics.stdev(values) if len(values) > 1 else None
+    # the first epoch pays for warm-up (allocator, kernel compilation)
+    row["images_per_s"] = _mean([statistics.fmean(e["images_per_s"] for e in m[1:] or m) for m in finished])
+    row["compression_ratio"] = _mean([m[-1].get("compression_ratio") for m in finished])
+    saved = _mean([m[-1].get("saved_bytes") for m in finished])
+    row["saved_mib"] = saved / 2**20 if saved is not None else None
+    return row
 
 
 def markdown_table(study: Study, rows: Sequence[dict]) -> str:
@@ -389,93 +353,6 @@ def write_results(study: Study, rows: Sequence[dict]) -> list[Path]:
         written += plots.sweep_figure(rows, study.out / _slug(study.name), title=study.name,
                                       group_fields=study.group_fields)
     return written
-
-
-def _read_spec_text(path: Path) -> str:
-    """A spec file's text, refused past MAX_SPEC_BYTES or when it is not UTF-8."""
-    try:
-        raw = checkpoint.read_bounded(path, MAX_SPEC_BYTES, "a spec (a few lines)")
-    except ValueError as err:
-        raise ValueError(f"spec: {err}") from None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"spec: {path} is not UTF-8 text ({err})") from None
-
-
-def _parse(text: str, fmt: str, path: Path) -> object:
-    """Parse a spec's text; every parser's error becomes a ValueError naming the file.
-
-    YAML goes through `_bounded_yaml` (safe tags only, at most MAX_SPEC_NODES nodes counting
-    each alias as the nodes it stands for); nesting too deep for the parsers is refused too.
-    """
-    if fmt == "yaml":
-        try:
-            import yaml
-        except ImportError as err:
-            raise ValueError(f"spec: reading {path} needs pyyaml (pip install pyyaml); "
-                             "or write the spec as TOML or JSON") from err
-        errors: tuple = (yaml.YAMLError,)
-        parse = _bounded_yaml
-    elif fmt == "json":
-        errors, parse = (json.JSONDecodeError,), json.loads
-    else:
-        if sys.version_info >= (3, 11):
-            import tomllib
-        else:  # pragma: no cover - Python 3.10
-            import tomli as tomllib
-
-        errors, parse = (tomllib.TOMLDecodeError,), tomllib.loads
-    try:
-        return parse(text)
-    except errors as err:
-        raise ValueError(f"spec: {path} is not valid {fmt.upper()}: {err}") from err
-    except RecursionError:
-        raise ValueError(f"spec: {path} is not valid {fmt.upper()}: nested too deeply") from None
-
-
-def _bounded_yaml(text: str) -> object:
-    """`yaml.safe_load` that refuses documents expanding to more than MAX_SPEC_NODES nodes.
-
-    safe_load shares an aliased node instead of copying it, so an "alias bomb" (each level
-    aliasing the one before ten times) loads in microseconds but expands to billions of values
-    once anything walks it (str() of the description, say). The composed node graph is sized
-    with every alias counted in full (a cycle counts as unbounded) before anything is built.
-    """
-    import yaml
-
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        size = _yaml_size(node, {})
-        if size > MAX_SPEC_NODES:
-            raise yaml.YAMLError(f"expands to more than {MAX_SPEC_NODES:,} values (aliases "
-                                 "counted in full)")
-        return loader.construct_document(node)
-    finally:
-        loader.dispose()
-
-
-def _yaml_size(node, sizes: dict) -> int:
-    """Nodes under `node` with aliases expanded; memoised by node, capped at MAX_SPEC_NODES+1."""
-    import yaml
-
-    key = id(node)
-    if key in sizes:
-        return sizes[key]
-    sizes[key] = MAX_SPEC_NODES + 1  # reached again while being sized: a cycle
-    children = []
-    if isinstance(node, yaml.SequenceNode):
-        children = node.value
-    elif isinstance(node, yaml.MappingNode):
-        children = [part for pair in node.value for part in pair]
-    size = 1
-    for child in children:
-        size = min(size + _yaml_size(child, sizes), MAX_SPEC_NODES + 1)
-    sizes[key] = size
-    return size
 
 
 def _fields(table: object, where: str) -> dict:

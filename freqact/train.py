@@ -26,8 +26,8 @@ tokens (next-byte accuracy, tokens per second).
 Data: whole datasets are moved to the device once as uint8 tensors; each epoch's order comes
 from a `DistributedSampler` seeded with (seed, epoch) (also with one process; under torchrun it
 pads the order by repeating a few indices so every rank gets as many), batches are gathered by
-index on the device and augmented/normalised there; the last, smaller batch is kept. `workers` is
-accepted for command-line compatibility but unused: there is no loader to parallelise. Progress
+index on the device and augmented/normalised there; the last, smaller batch is kept (there is no loader
+to parallelise, hence no `workers` setting; `freqact train --workers` is accepted and ignored). Progress
 within an epoch: a tqdm bar on a terminal, else a line every ~10 % of the epoch (or `log_every`
 steps).
 
@@ -37,7 +37,7 @@ metrics so far. Resuming restores all of them, so on the CPU with a fixed seed t
 metrics equal an uninterrupted run's, except the timing columns (epoch_time_s, images_per_s). On
 CUDA, nondeterministic kernels (cuDNN autotuning, atomics in backward) make runs differ in the last
 bits with or without a resume. A resume needs the same number of ranks (the RNG states are per
-rank) and the same training settings; only device, workers, out, data_dir, download, log_every and
+rank) and the same training settings; only device, out, data_dir, download, log_every and
 the checkpoint cadence may change. Without `ckpt/last.pt` a resume continues from the newest
 loadable `ckpt/epoch-XXXX.pt` (and says so); it always prints the epoch it continues after.
 
@@ -50,7 +50,11 @@ Under `torchrun` (see `freqact.distributed`) each rank trains on its shard of ev
 per-rank batch of batch_size / world_size, compresses its own activations, and the model is
 wrapped in DistributedDataParallel; losses and accuracies are summed over ranks, the meter's bytes
 are rank 0's (the memory one device holds), and only rank 0 prints and writes files. BatchNorm
-statistics are per rank, as usual with DDP.
+statistics are per rank, as usual with DDP. With `fsdp` the model is sharded with FSDP2 instead
+(`fully_shard` on each `models.BLOCK_TYPES` block, then the root; `distributed.wrap`): each rank
+holds a shard of the weights and optimizer state, the engine treats the gathered weights as
+parameters, and checkpoints hold the whole model state dict gathered on rank 0 (so `freqact
+eval` and the analyses read them as any other) and the optimizer state keyed by parameter name.
 """
 from __future__ import annotations
 
@@ -62,8 +66,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +76,6 @@ from tqdm import tqdm
 
 from freqact import _validate, checkpoint, codecs, data, distributed, engine, models, rundir
 from freqact.codecs.settings import Setting
-from freqact.errors import UsageError
 
 NORMAL_TITLE = "normal training (plain PyTorch)"
 MODES = ("normal", *codecs.modes())
@@ -141,7 +144,6 @@ class RunConfig(_WithCodecSettings):
             integer in [0, 2**32 - 1].
         amp: autocast (bfloat16 on CPU; float16 with a GradScaler on CUDA).
         device: "cpu", "cuda", "cuda:N" or None for CUDA when available.
-        workers: unused (data are in-memory tensors); kept for command-line compatibility.
         data_dir: CIFAR data directory (else $FREQACT_DATA, else ./data).
         download: download CIFAR when missing.
         out: run directory; None means runs/<model>-<dataset>-<mode>.
@@ -152,6 +154,8 @@ class RunConfig(_WithCodecSettings):
             be relaunched with the same command).
         log_every: print a progress line every N training steps; None: every ~10 % of an epoch
             when stdout is not a terminal (a terminal gets a progress bar instead).
+        fsdp: under torchrun, shard the model with FSDP2 instead of wrapping it in DDP (one
+            process: no effect).
     """
 
     epochs: int = 100  # the original code's CIFAR runs (94.89 % normal, 94.72 % DIVISION)
@@ -165,7 +169,6 @@ class RunConfig(_WithCodecSettings):
     seed: int = 0
     amp: bool = False
     device: str | None = None
-    workers: int = 0
     data_dir: str | None = None
     download: bool = False
     out: str | None = None
@@ -173,6 +176,7 @@ class RunConfig(_WithCodecSettings):
     save_every: int | None = None
     resume: bool = False
     log_every: int | None = None
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
         _validate.choice("dataset", self.dataset, data.DATASETS)
@@ -188,8 +192,6 @@ class RunConfig(_WithCodecSettings):
         for name in ("subset", "save_every", "log_every"):
             if getattr(self, name) is not None:
                 _validate.positive_int(name, getattr(self, name))
-        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 0:
-            raise UsageError(f"workers: expected an integer >= 0, got {self.workers!r}")
         self.save_epochs = sorted({_validate.positive_int("save_epochs", e)
                                    for e in self.save_epochs})
         if self.out is None:
@@ -199,9 +201,9 @@ class RunConfig(_WithCodecSettings):
     def from_dict(cls, stored: dict) -> RunConfig:
         """The config of a stored run (`config.json` or a checkpoint's "config"), old or new.
 
-        Keys that are not fields (num_classes, world_size, kernels) are ignored, and settings a
-        stored config leaves out (a mode's unused codec settings, or `backend` before it existed)
-        take their defaults, so every config.json freqact wrote still loads.
+        Keys that are not fields (num_classes, world_size, kernels, the removed `workers`) are
+        ignored, and settings a stored config leaves out (a mode's unused codec settings, or
+        `backend` before it existed) take their defaults, so every config.json freqact wrote still loads.
         """
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in stored.items() if k in fields})
@@ -360,9 +362,9 @@ def _setup(config: RunConfig, ctx: distributed.Context, model: torch.nn.Module |
     distributed.barrier(ctx)
     ds = data.load_for_model(config.dataset, net, config.data_dir, subset=config.subset,
                              seed=config.seed, device=ctx.device)
+    ddp = distributed.wrap(net, ctx, fsdp=config.fsdp, blocks=models.BLOCK_TYPES)
+    # after wrap: FSDP2 replaces the parameters by their shards
     optimizer = _optimizer(net, config)
-    ddp = net if ctx.world_size == 1 else torch.nn.parallel.DistributedDataParallel(
-        net, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     return _Trainer(
         config, ctx, run, net, ddp, ds, optimizer,
         torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.epochs),
@@ -397,9 +399,10 @@ def _resume(state: _Trainer) -> None:
     if ckpt is None:
         say(f"resume: {run} has no checkpoint yet; starting at epoch 1", flush=True)
         return
-    rundir.check_resumable(ckpt["config"], state.stored_config, path)
-    state.net.load_state_dict(ckpt["model"])
-    state.optimizer.load_state_dict(ckpt["optimizer"])
+    # runs written before the fsdp setting existed were not sharded
+    rundir.check_resumable({"fsdp": False, **ckpt["config"]}, state.stored_config, path)
+    distributed.load_full_state(state.net, state.optimizer, ckpt["model"], ckpt["optimizer"], ctx,
+                                state.config.fsdp)
     state.scheduler.load_state_dict(ckpt["scheduler"])
     state.scaler.load_state_dict(ckpt["scaler"])
     _set_rng(ckpt["rng"], ctx, state.aug_gen)
@@ -420,8 +423,8 @@ def _epoch(state: _Trainer, epoch: int) -> dict:
     row["lr"] = state.scheduler.get_last_lr()[0]
     state.scheduler.step()
     test = _summarise(distributed.all_reduce_sum(
-        _eval_sums(state.net, _eval_batches(state.ds, state.net, ctx, 2 * config.batch_size),
-                   ctx.device), ctx))
+        _eval_sums(state.net, _eval_batches(state.ds, state.net, ctx, 2 * config.batch_size,
+                                            even=config.fsdp), ctx.device), ctx))
     row.update(test_loss=test["loss"], test_acc=test["accuracy"])
     return {c: row.get(c) for c in METRIC_COLUMNS}
 
@@ -431,10 +434,11 @@ def _save(state: _Trainer, epoch: int, row: dict) -> None:
     config, ctx, run = state.config, state.ctx, state.run
     state.metrics.append(row)
     rng = distributed.all_gather(_get_rng(ctx, state.aug_gen), ctx)
+    model, optim = distributed.full_state(state.net, state.optimizer, ctx, config.fsdp)
     if not ctx.is_main:
         return
     ckpt = {"format": checkpoint.FORMAT, "epoch": epoch, "config": state.stored_config,
-            "model": state.net.state_dict(), "optimizer": state.optimizer.state_dict(),
+            "model": model, "optimizer": optim,
             "scheduler": state.scheduler.state_dict(), "scaler": state.scaler.state_dict(),
             "rng": {key: [r[key] for r in rng] for key in rng[0]}, "metrics": state.metrics}
     every = config.save_every
@@ -600,10 +604,17 @@ def _compressing(net: torch.nn.Module, config: RunConfig):
     return engine.compress(net, config.mode, **config.codec_params())
 
 
-def _eval_batches(ds: data.Dataset, net, ctx: distributed.Context, batch: int) -> Iterator:
-    """This rank's share (every world_size-th image) of the whole test set, in batches."""
+def _eval_batches(ds: data.Dataset, net, ctx: distributed.Context, batch: int, *,
+                  even: bool = False) -> Iterator:
+    """This rank's share (every world_size-th image) of the whole test set, in batches.
+
+    even: every rank gets as many batches, as FSDP2 needs (each forward gathers weights from all
+    ranks): the share is cut into the largest rank's number of batches (none empty for batch >= 2,
+    since shares differ by at most one image; some models cannot run an empty batch).
+    """
     idx = torch.arange(ctx.rank, len(ds.test_labels), ctx.world_size, device=ctx.device)
-    for chunk in idx.split(batch):
+    most = math.ceil(math.ceil(len(ds.test_labels) / ctx.world_size) / batch)
+    for chunk in idx.tensor_split(most) if even else idx.split(batch):
         yield (data.model_inputs(ds, ds.test_images[chunk], net),
                ds.test_labels[chunk])
 

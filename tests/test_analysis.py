@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import csv
 import math
+import os
 
 import numpy as np
 import pytest
@@ -433,3 +434,18 @@ def test_eval_batch_real_cifar(cifar_dir):
     x2, _ = common.eval_batch(net, config, 8)
     assert x.shape == (16, 3, 32, 32) and y.shape == (16,) and torch.equal(x[:8], x2)
     assert abs(float(x.mean())) < 0.5  # normalised
+
+
+def test_pipeline_reuses_a_table_only_when_its_settings_match(tiny_run, tmp_path):
+    from freqact.analysis import pipelines
+
+    ckpt = tiny_run / "ckpt" / "epoch-0002.pt"
+    out = tmp_path / "out"
+    first = pipelines.pooling_analysis(ckpt, out, blocks=(4,), images=2, reuse=True)
+    assert not first.reused and (out / "pooling.settings.json").is_file()
+    again = pipelines.pooling_analysis(ckpt, out, blocks=(4,), images=2, reuse=True)
+    assert again.reused and again.rows == first.rows  # CSV cells come back as the numbers written
+    assert not pipelines.pooling_analysis(ckpt, out, blocks=(4,), images=3, reuse=True).reused
+    assert not pipelines.pooling_analysis(ckpt, out, blocks=(4,), images=3).reused  # reuse is opt-in
+    os.utime(ckpt, ns=(0, 0))  # a rewritten checkpoint is measured again
+    assert not pipelines.pooling_analysis(ckpt, out, blocks=(4,), images=3, reuse=True).reused

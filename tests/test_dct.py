@@ -8,6 +8,7 @@ import pytest
 import scipy.fft
 import torch
 
+from freqact import _separable
 from freqact import dct as F
 
 SIZES = [1, 2, 7, 8, 14, 32, 56]
@@ -76,7 +77,7 @@ def test_non_contiguous_input():
 def test_cpu_chunks_give_the_same_result(monkeypatch):
     # Chunks of 5 maps (the last one partial) exercise the chunk loop and its buffer reuse.
     x = randn(13, 4, 6, 5)
-    monkeypatch.setattr(F, "_CPU_CHUNK_BYTES", 5 * 4 * 6 * 5 * 8)
+    monkeypatch.setattr(_separable, "_CPU_CHUNK_BYTES", 5 * 4 * 6 * 5 * 8)
     for dims in (1, 2, 3):
         ref = scipy.fft.dctn(x.numpy(), type=2, norm="ortho", axes=axes(dims))
         assert rel_error(F.dct(x, dims), ref) <= 1e-12

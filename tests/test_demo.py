@@ -124,11 +124,17 @@ def test_quick_demo_end_to_end_on_digits(tmp_path):
     assert links and all((out / link).exists() for link in links)
     for name in figures.FIGURES:
         assert f"figures/{name}.png" in links and (out / "figures" / f"{name}.pdf").is_file()
-    # the training table is the runs' own metrics
+    # the training table is the runs' own metrics, with W/N and compression named apart
+    assert "| settings | final test acc (%) |" in text and "| compression × |" in text
     for mode in demo.MODES:
         final = train.read_metrics(out / "runs" / mode)[-1]
         row = next(line for line in text.splitlines() if line.startswith(f"| {mode} |"))
-        assert row.split("|")[2].strip() == f"{final['test_acc']:.3f}"
+        assert row.split("|")[3].strip() == f"{100 * final['test_acc']:.1f}"
+    # one W/N: LFC-ACT/HFC-ACT train with the W/N the λ and Theorem 3.1 analyses use
+    for mode in ("lfc", "hfc"):
+        assert train.read_config(out / "runs" / mode)["ratio"] == demo.QUICK_PLAN.ratio
+        assert f"| {mode} | W/N={demo.QUICK_PLAN.ratio} |" in text
+    assert f"W/N = {demo.QUICK_PLAN.ratio} (as LFC-ACT/HFC-ACT)" in text
 
 
 def test_cli_demo_maps_arguments_to_run(monkeypatch, tmp_path):

@@ -43,12 +43,18 @@ def test_read_metrics_gives_the_rows_as_written(tmp_path):
 
 @pytest.mark.parametrize("config,label", [
     ({"mode": "normal", "ratio": 0.5, "block": 8, "bits": 2}, "normal"),
-    ({"mode": "lfc", "ratio": 0.25, "block": 8, "bits": 2}, "lfc (ratio=0.25)"),
+    ({"mode": "lfc", "ratio": 0.25, "block": 8, "bits": 2}, "lfc (W/N=0.25)"),
     ({"mode": "division", "ratio": 0.5, "block": 4, "bits": 1, "num_classes": 10},
-     "division (block=4, bits=1)"),
+     "division (B=4, Q=1)"),
 ])
 def test_run_label_names_mode_and_codec_settings(config, label):
     assert figures.run_label(config) == label
+
+
+def test_describe_names_model_data_set_and_subset():
+    config = {"model": "resnet20", "dataset": "cifar10", "subset": 5000, "batch_size": 128}
+    assert figures.describe(config) == "resnet20 on CIFAR-10 (5000 training images)"
+    assert figures.describe({**config, "dataset": "digits", "subset": None}) == "resnet20 on scikit-learn digits"
 
 
 def test_read_config_refuses_a_folder_without_config(tmp_path):
@@ -103,8 +109,8 @@ def test_make_all_writes_every_figure_and_table(made, runs):
     assert {r["checkpoint"] for r in result["lambdas"].rows} == {
         f"{runs['normal']}/ckpt/epoch-0001.pt", f"{runs['normal']}/ckpt/epoch-0002.pt"}
     assert {(r["run"], r["epoch"]) for r in result["training"].rows} == {
-        (run, e) for run in ("normal", "division (block=8, bits=2)") for e in (1, 2)}
-    assert {r["run"] for r in result["compression"].rows} == {"normal", "division (block=8, bits=2)"}
+        (run, e) for run in ("normal", "division (B=8, Q=2)") for e in (1, 2)}
+    assert {r["run"] for r in result["compression"].rows} == {"normal", "division (B=8, Q=2)"}
 
 
 @pytest.mark.slow
@@ -139,7 +145,7 @@ def _memory_rows():
 
 def _metric_rows():
     return [{"run": run, "epoch": e, "test_acc": 0.1 * e, "train_loss": 2.0 / e}
-            for run in ("normal", "lfc (ratio=0.5)") for e in (1, 2, 3)]
+            for run in ("normal", "lfc (W/N=0.5)") for e in (1, 2, 3)]
 
 
 @pytest.mark.parametrize("draw", [

@@ -19,7 +19,7 @@ def _numel(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _built(name: str, num_classes: int = 10) -> nn.Module:
     """A model built once per session, in eval mode; only for tests that do not change it."""
     torch.manual_seed(0)

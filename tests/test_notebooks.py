@@ -22,14 +22,17 @@ NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 STEMS = ("01_dct_masking", "02_lfc_hfc_act", "03_lambda_theorem31", "04_pooling_vs_dct",
          "05_division_memory")
 FALLBACK_LINE = "falling back to the digits dataset"
+# Notebooks that write runs or figures: to OUT_DIR (default "out", relative to the working directory).
+WRITES_FILES = ("02_lfc_hfc_act", "03_lambda_theorem31", "04_pooling_vs_dct")
 
 
 def _execute(stem: str, workdir: Path, data_dir: Path, monkeypatch) -> str:
     """Run one notebook in `workdir` with $FREQACT_DATA = data_dir; return its text output."""
     nb = nbformat.read(NOTEBOOK_DIR / f"{stem}.ipynb", as_version=4)
     # The kernel inherits this environment. One OpenMP thread: on a shared 2-core machine several
-    # spinning OpenMP threads per process make PyTorch several times slower (measured 5x). TMPDIR:
-    # the runs and figures the notebooks put in temporary folders land in pytest's tmp_path.
+    # spinning OpenMP threads per process make PyTorch several times slower (measured 5x). The
+    # working directory is pytest's tmp_path, so the notebooks' OUT_DIR ("out") lands there; TMPDIR
+    # keeps any other temporary file there too.
     monkeypatch.setenv("FREQACT_DATA", str(data_dir))
     monkeypatch.setenv("TMPDIR", str(workdir))
     monkeypatch.setenv("MPLBACKEND", "Agg")
@@ -65,6 +68,11 @@ def test_notebook_runs(stem, tmp_path, monkeypatch):
     text = _execute(stem, tmp_path, data_dir, monkeypatch)
     assert ("dataset: cifar10" in text) == has_cifar
     assert (FALLBACK_LINE in text) != has_cifar
+    if stem in WRITES_FILES:  # into a visible folder under the working directory, which it names
+        (written,) = (tmp_path / "out").iterdir()
+        assert written.name.startswith(f"{stem}-")
+        assert f"writing runs and figures to {written.resolve()}" in text
+        assert any(written.rglob("*.png")) or any(written.rglob("metrics.csv"))
 
 
 @pytest.mark.slow

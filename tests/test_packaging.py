@@ -4,9 +4,9 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 import yaml
 
 from freqact import cli
@@ -42,8 +42,22 @@ def test_ci_runs_the_readme_commands():
     assert len(commands) == 2, f"the Quickstart has exactly two commands, found {commands}"
     install, test = commands
     ci = (REPO_ROOT / ".ci" / "run").read_text()
-    assert install.split(" && ")[0] in ci, "CI must install with the README's install command"
+    # CI installs what the README installs plus the `gpu` extra (Triton, for the interpreter tests)
+    readme_install = install.split(" && ")[0]
+    extras = re.search(r'"\.\[([a-z,]+)\]"', readme_install)
+    assert extras, f"the README installs the project with extras, found {readme_install!r}"
+    ci_install = readme_install.replace(extras.group(0), f'".[{extras.group(1)},gpu]"')
+    assert ci_install in ci.splitlines(), f"CI must install with {ci_install!r}"
     assert test in ci.splitlines(), "CI must run the README's test command verbatim"
+
+
+def test_dev_extra_leaves_the_gpu_and_notebook_ui_packages_to_their_own_extras():
+    # `[dev]` is what the tests need on a CPU-only machine: Triton (1 GB) and JupyterLab are opt-in.
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    dev = {_name(r) for r in extras["dev"]}
+    assert not dev & {"triton", "jupyter", "jupyterlab", "notebook"}, dev
+    assert {_name(r) for r in extras["gpu"]} == {"triton"}
+    assert {_name(r) for r in extras["notebooks"]} == {"jupyterlab"}
 
 
 def test_help_lists_every_subcommand(capsys):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import statistics
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn

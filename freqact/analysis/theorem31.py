@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -65,10 +65,7 @@ def _max_reads(size: int, kernel: int, stride: int, dilation: int, pad: tuple[in
     copies of an element count as reads of that element.
     """
     index = torch.arange(size, dtype=torch.float64).view(1, 1, size)
-    if mode == "zeros":
-        index = F.pad(index, pad, value=-1.0)
-    else:
-        index = F.pad(index, pad, mode=mode)
+    index = F.pad(index, pad, value=-1.0) if mode == "zeros" else F.pad(index, pad, mode=mode)
     index = index.view(-1).long()
     outputs = (index.numel() - dilation * (kernel - 1) - 1) // stride + 1
     if outputs < 1:

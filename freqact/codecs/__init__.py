@@ -11,14 +11,25 @@ settings once (`Codec.settings`, `freqact.codecs.settings.Setting`), and `modes(
 `mode_settings()` list the codecs a model trains with and their settings. The codecs live in small
 modules by family; importing this package registers all of them.
 """
-from freqact.codecs.base import (
-    Codec, Exact, codec_class, get, mode_settings, modes, names, register, tensor_nbytes,
-)
 from freqact.codecs import cheap  # noqa: F401  (registers the exact-but-cheap codecs)
+from freqact.codecs.base import (
+    Codec,
+    Exact,
+    codec_class,
+    get,
+    mode_settings,
+    modes,
+    names,
+    register,
+    tensor_nbytes,
+)
 from freqact.codecs.division import Division, DivisionNoHFC, DivisionNoLFC, Quant
 from freqact.codecs.settings import Setting
 from freqact.codecs.spectral import (
-    HighFrequency, LowFrequency, QuantizedHighFrequency, SpectralPacked,
+    HighFrequency,
+    LowFrequency,
+    QuantizedHighFrequency,
+    SpectralPacked,
 )
 from freqact.kernels.format import DivisionPacked
 

@@ -59,6 +59,11 @@ def get(name: str, **params) -> Codec:
             of its declared range.
         UsageTypeError (a TypeError): for an unknown or missing setting, or a value of the
             wrong type; the message names the codec and the setting.
+
+    Example:
+        >>> import freqact.codecs
+        >>> freqact.codecs.get("division", block=4, bits=2)
+        Division(block=4, bits=2, backend='auto')
     """
     return codec_class(name)(**params)
 

@@ -13,7 +13,7 @@ from freqact import codecs as _codecs
 from freqact.codecs import base as _codec_base
 from freqact.codecs.base import Codec
 from freqact.engine.meter import Meter
-from freqact.engine.params import ParamIndex
+from freqact.engine.params import ParamIndex, is_fsdp_unit
 from freqact.engine.routes import (
     KEEP,
     PARAMETER,
@@ -180,6 +180,14 @@ def compress(model: nn.Module, codec: str | Codec = "division", *, include=None,
         ValueError: unknown or not whole-model codec, or an include/exclude name not in the model.
         RuntimeError (on entry): a block is already open in this thread, the model is inside a
             block of another thread, or a module cannot be hooked (e.g. a TorchScript module).
+
+    Example:
+        >>> net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 3, padding=1))
+        >>> with compress(net, "division", block=4, bits=2) as meter:
+        ...     loss = net(torch.randn(2, 3, 8, 8)).sum()
+        >>> loss.backward()
+        >>> meter.saved_bytes < meter.exact_bytes
+        True
     """
     return _Compress(model, codec, include, exclude, params)
 
@@ -280,6 +288,8 @@ class _Compress:
     def _push(self, site: Site, module, args, kwargs) -> None:
         if threading.get_ident() != self._thread:
             return  # another thread's plain forward: its saves are not ours
+        if is_fsdp_unit(module):  # FSDP2's pre-forward hook (run before this one) unsharded it
+            self._params.moved()
         if site.kind is Kind.NONE:
             self._stack.append((site, None))
             return
@@ -288,8 +298,11 @@ class _Compress:
 
     def _pop(self, module, args, output) -> None:
         # always_call also runs this hook when an earlier pre-hook raised before our push.
-        if (threading.get_ident() == self._thread and self._stack
-                and self._stack[-1][0].module is module):
+        if threading.get_ident() != self._thread:
+            return
+        if is_fsdp_unit(module):  # FSDP2's post-forward hook (run before this one) may reshard
+            self._params.moved()
+        if self._stack and self._stack[-1][0].module is module:
             self._stack.pop()
 
     # -- the pack hook ---------------------------------------------------------------------------
@@ -303,7 +316,7 @@ class _Compress:
             self.meter._record(site.name, site.type_name, KEEP.label)
             return _encode(KEEP, t)
         ptr = storage.data_ptr()
-        if self._params.derived(t, ptr, site.params):
+        if self._params.derived(t, ptr, site.module):
             return _encode(PARAMETER, t)
         route, view = route_for(site, self._describe(t, x, self._functions.current))
         self.meter._record(site.name, site.type_name, route.label)

@@ -169,7 +169,6 @@ class Site:
         kind: its routing kind (Kind.NONE when include/exclude leave it out).
         functional: the ops run directly in it (F.gelu, softmax, SDPA, ...) are routed by op
             (False when include/exclude leave it out).
-        params: its own parameters and buffers (to tell a frozen weight's autocast copy apart).
         hardtanh: the hardtanh-mask route with the module's range (Kind.HARDTANH only).
         maxpool: maxpool-indices routes by input size, built on first use.
     """
@@ -180,14 +179,11 @@ class Site:
     routes: Routes
     functional: bool = True
     type_name: str = field(init=False)
-    params: tuple = field(init=False)
     hardtanh: Route | None = field(init=False, default=None)
     maxpool: dict = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.type_name = type(self.module).__name__
-        self.params = (tuple(self.module.parameters(recurse=False))
-                       + tuple(self.module.buffers(recurse=False)))
         if self.kind is Kind.HARDTANH:
             self.hardtanh = KEEP if not self.routes.masks else Route(
                 "hardtanh-mask", HardtanhMask(self.module.min_val, self.module.max_val))
@@ -484,21 +480,34 @@ def route_for(site: Site, saved: Saved) -> tuple[Route, tuple[int, ...] | None]:
         (route, view): KEEP when no rule applies; view is the (M, T, F) token view for the
         token layouts, None for the tensor as saved.
     """
+    route = _chosen(site, saved)
+    if not route.copies:
+        return route, None
+    return _checked(site, route, saved)
+
+
+def _chosen(site: Site, saved: Saved) -> Route:
+    """The route a rule picks for `saved`, before the size and acceptance checks (KEEP: none)."""
     t = saved.tensor
     # An empty tensor (a zero-size batch) holds no bytes to save; codecs refuse it.
     if t.numel() == 0 or t.layout != torch.strided:
-        return KEEP, None
+        return KEEP
     if site.kind is Kind.MAXPOOL and t.dtype == torch.int64 and saved.input is not None:
-        return _maxpool_indices(site, saved), None
+        return _maxpool_indices(site, saved)
     if t.dtype not in _CODEC_DTYPES:
-        return KEEP, None
+        return KEEP
     route = _by_function(site, saved)
-    if route is None:
-        if site.kind is Kind.NONE or saved.input is None:
-            return KEEP, None
-        route = _FLOAT_CHOOSERS[site.kind](site, saved) or KEEP
-    if not route.copies:
-        return route, None
+    if route is not None:
+        return route
+    if site.kind is Kind.NONE or saved.input is None:
+        return KEEP
+    return _FLOAT_CHOOSERS[site.kind](site, saved) or KEEP
+
+
+def _checked(site: Site, route: Route, saved: Saved) -> tuple[Route, tuple[int, ...] | None]:
+    """`route` with its token view, or KEEP where the codec declines the tensor or would not
+    make it smaller."""
+    t = saved.tensor
     shape = view_shape(route, saved)
     if shape is None and route.layout:
         route = site.routes.codec  # no token view (rank 2): the map rule

@@ -192,6 +192,14 @@ def division_encode(x: torch.Tensor, block: int = 8, bits: int = 2,
 
     Raises:
         TypeError, ValueError: on bad arguments (naming them) or backend.
+
+    Example:
+        >>> x = torch.randn(2, 3, 8, 8)
+        >>> packed = division_encode(x, block=4, bits=2, backend="torch")
+        >>> packed.lfc.shape  # one bf16 mean per 4 x 4 block
+        torch.Size([2, 3, 2, 2])
+        >>> division_decode(packed).shape
+        torch.Size([2, 3, 8, 8])
     """
     geom = _check_x(x, _validate.positive_int("block", block))
     check_bits(bits)

@@ -12,8 +12,8 @@ dense and transformer blocks are modules of the classes in `BLOCK_TYPES`, so an 
 "block outputs" (the paper's Fig. 4) with `isinstance(m, BLOCK_TYPES)`.
 
 Models know nothing about compression. Activations are `nn` modules (`nn.ReLU`, `nn.ReLU6`, `nn.GELU`,
-`nn.SiLU`, `nn.Hardswish`, `nn.Hardsigmoid`; never `F.relu`) and none is in place, so the engine's hooks see every activation and no cached tensor is
-modified after it was saved.
+`nn.SiLU`, `nn.Hardswish`, `nn.Hardsigmoid`; never `F.relu`) and none is in place, so the engine's
+hooks see every activation and no cached tensor is modified after it was saved.
 
 Initialisation ("standard", as in torchvision): convolutions `kaiming_normal_(mode="fan_out",
 nonlinearity="relu")` without bias, BatchNorm weight 1 and bias 0, Linear layers PyTorch's default
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 
@@ -72,6 +72,12 @@ def get(name: str, num_classes: int = 10, **kwargs) -> nn.Module:
         UsageTypeError (a TypeError): if a setting is not one of that model's (the message lists
             its settings) or has the wrong type. A TypeError from inside a builder is a bug and
             propagates as it is.
+
+    Example:
+        >>> import torch
+        >>> model = get("mlp")
+        >>> model(torch.zeros(2, *model.input_shape)).shape
+        torch.Size([2, 10])
     """
     _validate.choice("name", name, tuple(names()))
     _validate.positive_int("num_classes", num_classes)

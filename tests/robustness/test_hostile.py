@@ -259,7 +259,7 @@ def test_variant_labels_and_grid_values_stay_one_folder_inside_out(tmp_path):
 def test_a_grid_of_a_billion_runs_is_refused_before_expanding(tmp_path, capsys):
     spec = tmp_path / "huge.json"
     grid = {field: list(range(10)) for field in ("seed", "epochs", "batch_size", "subset",
-                                                  "block", "save_every", "workers", "lr", "momentum")}
+                                                  "block", "save_every", "weight_decay", "lr", "momentum")}
     spec.write_text(json.dumps({"base": {"model": "mlp", "dataset": "synthetic"}, "grid": grid}))
     code, err = run_cli(["sweep", spec, "--dry-run"], capsys)
     assert code == 2 and "1,000,000,000 runs" in err and "at most 10,000" in err
