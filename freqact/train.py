@@ -76,6 +76,7 @@ from tqdm import tqdm
 
 from freqact import _validate, checkpoint, codecs, data, distributed, engine, models, rundir
 from freqact.codecs.settings import Setting
+from freqact.errors import UsageError
 
 NORMAL_TITLE = "normal training (plain PyTorch)"
 MODES = ("normal", *codecs.modes())
