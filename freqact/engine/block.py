@@ -12,6 +12,7 @@ from torch import nn
 from freqact import codecs as _codecs
 from freqact.codecs import base as _codec_base
 from freqact.codecs.base import Codec
+from freqact.engine import compiled
 from freqact.engine.meter import Meter
 from freqact.engine.params import ParamIndex, is_fsdp_unit
 from freqact.engine.routes import (
@@ -198,6 +199,7 @@ class _Compress:
             raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
         self.codec = _build_codec(codec, params)
         self.model = model
+        self._graph = compiled.spec_for(model, self.codec, include, exclude)
         named = dict(model.named_modules())
         inc = _split_selectors("include", include, set(named))
         exc = _split_selectors("exclude", exclude, set(named))
@@ -256,6 +258,10 @@ class _Compress:
         self._claimed = []
 
     def _install(self) -> None:
+        if self._graph is not None:  # a compiled model: the codec runs inside its graphs
+            self._hooks = compiled.installed(self._graph)
+            self._hooks.__enter__()
+            return
         for site in self._sites:
             try:
                 self._handles.append(site.module.register_forward_pre_hook(

@@ -167,12 +167,18 @@ def _seed(noise: torch.Tensor | None) -> int:
     return 0 if noise is not None else int(torch.randint(2**62, (), dtype=torch.int64))
 
 
+def _seed_value(seed: object) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed: expected an integer in [0, 2**64), got {seed!r}")
+    return int(seed)
+
+
 # --- the codec functions -------------------------------------------------------------------------
 
 
 @torch.no_grad()  # a codec, not a differentiable op: nothing may link the packed form to x
 def division_encode(x: torch.Tensor, block: int = 8, bits: int = 2,
-                    noise: torch.Tensor | None = None, *,
+                    noise: torch.Tensor | None = None, *, seed: int | None = None,
                     backend: str | None = None) -> DivisionPacked:
     """Encode activation maps in the DIVISION packed format (docs/ARCHITECTURE.md).
 
@@ -183,6 +189,10 @@ def division_encode(x: torch.Tensor, block: int = 8, bits: int = 2,
         bits: bits per residual code, one of 1, 2, 4, 8.
         noise: optional float32 uniforms in [0, 1) shaped like x, used instead of random draws
             (every backend then gives the same bytes).
+        seed: the fused kernels' noise-stream seed, an integer in [0, 2**64) (None: drawn from
+            torch's default generator); the C and Triton kernels give the same bytes for the same
+            seed, in eager code and in compiled graphs (`torch.ops.freqact.division_encode`); the
+            reference draws torch.rand instead.
         backend: "auto", "torch", "triton" or "cpu"; None reads FREQACT_KERNELS.
 
     Returns:
@@ -205,7 +215,8 @@ def division_encode(x: torch.Tensor, block: int = 8, bits: int = 2,
     check_bits(bits)
     _check_noise(noise, x)
     module = _module(x, backend, ("torch", "cpu", "triton"), empty=not geom.maps)
-    lfc, lo, step, codes = module.encode(x, geom, bits, noise, _seed(noise))
+    seed = _seed(noise) if seed is None else _seed_value(seed)
+    lfc, lo, step, codes = module.encode(x, geom, bits, noise, seed)
     return DivisionPacked(lfc, lo, step, codes, x.shape, x.dtype, geom.block, bits)
 
 

@@ -23,12 +23,14 @@ def test_fake_shapes_and_opcheck():
     for shape in [(2, 13), (2, 3, 11), (2, 3, 7, 9), (1, 2, 3, 9, 10)]:
         want = K.division_encode(torch.randn(shape), 4, 2, backend="torch")
         with FakeTensorMode():
-            fake = torch.ops.freqact.division_encode(torch.empty(shape), 4, 2, None, 0)
+            fake = torch.ops.freqact.division_encode(torch.empty(shape), 4, 2, None,
+                                                      torch.tensor(0), "triton")
         assert [tuple(t.shape) for t in fake] == [tuple(getattr(want, n).shape) for n in FIELDS]
     x = torch.randn(1, 2, 3, 4, device=TRITON_DEVICE)
     noise = torch.rand(x.shape, device=TRITON_DEVICE)
-    torch.library.opcheck(torch.ops.freqact.division_encode.default, (x, 8, 2, noise, 0))
+    torch.library.opcheck(torch.ops.freqact.division_encode.default,
+                          (x, 8, 2, noise, torch.tensor(0), "triton"))
     p = K.division_encode(x.cpu(), 8, 2, noise.cpu(), backend="torch")
     torch.library.opcheck(torch.ops.freqact.division_decode.default,
                           tuple(t.to(x.device) for t in (p.lfc, p.lo, p.step, p.codes))
-                          + (list(x.shape), x.dtype, 8, 2))
+                          + (list(x.shape), x.dtype, 8, 2, "triton"))

@@ -1,0 +1,141 @@
+"""DIVISION inside torch.compile graphs: activation memory held and training-step time.
+
+In one run, for CIFAR ResNet-18 and the small ViT (`freqact.models.get("vit")`), batch 64, 32x32:
+
+1. activation memory held after the forward pass, `torch.compile(model)` alone ("compiled") vs
+   inside `freqact.compress(compiled, "division")` ("compiled+division"): the growth of the
+   resident set across the forward pass, each case in a fresh process (as benchmarks/codec_bench.py
+   measures it: MALLOC_MMAP_THRESHOLD_=65536, one warm-up step that also compiles, then the freed
+   heap trimmed) (goal: >= 8x less);
+2. training-step time (forward, backward, SGD step), modes taking turns: compiled,
+   compiled+division, and eager+division (the uncompiled model in compress) (goal on the CPU:
+   compiled+division <= 1.15x compiled).
+
+Prints a table and writes benchmarks/results/compile-<device>.json.
+
+    python -m benchmarks.compile_bench
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+if not __package__:  # run as a file (python benchmarks/X.py): make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.codec_bench import _release_free_heap, _resident_bytes
+from benchmarks.common import median_time, print_table, write_results
+from freqact import models
+from freqact.engine import compress
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CASES = (("resnet18", 64), ("vit", 64))
+MEMORY_MODES = ("compiled", "compiled+division")
+STEP_MODES = ("compiled", "compiled+division", "eager+division")
+DIVISION = {"block": 8, "bits": 2}
+
+
+def _setup(name: str, batch: int):
+    torch.manual_seed(0)
+    model = models.get(name, num_classes=10)
+    x = torch.randn(batch, 3, 32, 32)
+    y = torch.randint(0, 10, (batch,))
+    return model, torch.compile(model), x, y
+
+
+def _loss(model, compiled, x, y, mode: str) -> torch.Tensor:
+    net = model if mode.startswith("eager") else compiled
+    if mode.endswith("division"):
+        with compress(net, "division", **DIVISION):
+            return F.cross_entropy(net(x), y)
+    return F.cross_entropy(net(x), y)
+
+
+def measure_memory(name: str, batch: int, mode: str) -> dict:
+    """Resident-set growth across one forward pass, after a warm-up step that compiles."""
+    model, compiled, x, y = _setup(name, batch)
+    _loss(model, compiled, x, y, mode).backward()
+    model.zero_grad(set_to_none=False)
+    _release_free_heap()
+    before = _resident_bytes()
+    loss = _loss(model, compiled, x, y, mode)
+    held = _resident_bytes() - before
+    loss.backward()
+    return {"model": name, "batch": batch, "mode": mode, "held_bytes": held}
+
+
+def _memory_in_fresh_process(name: str, batch: int, mode: str) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    cmd = [sys.executable, "-m", "benchmarks.compile_bench", "--memory-case", name, str(batch),
+           mode]
+    out = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def step_times(name: str, batch: int, repeats: int) -> dict:
+    """Median training-step seconds per mode; the modes take turns (one step each per round)."""
+    model, compiled, x, y = _setup(name, batch)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step(mode):
+        optimizer.zero_grad(set_to_none=True)
+        _loss(model, compiled, x, y, mode).backward()
+        optimizer.step()
+
+    for mode in STEP_MODES:  # compiles each mode's graphs before any timing
+        step(mode)
+    times = {mode: [] for mode in STEP_MODES}
+    for _ in range(repeats):
+        for mode in STEP_MODES:
+            times[mode].append(median_time(lambda: step(mode), warmup=0, repeats=1))
+    return {mode: statistics.median(seconds) for mode, seconds in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per median")
+    parser.add_argument("--memory-case", nargs=3, metavar=("MODEL", "BATCH", "MODE"),
+                        help=argparse.SUPPRESS)  # internal: one memory case, JSON on stdout
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats: expected an integer >= 1, got {args.repeats}")
+    if args.memory_case:
+        name, batch, mode = args.memory_case
+        print(json.dumps(measure_memory(name, int(batch), mode)))
+        return 0
+
+    memory = [_memory_in_fresh_process(name, batch, mode)
+              for name, batch in CASES for mode in MEMORY_MODES]
+    plain = {r["model"]: r["held_bytes"] for r in memory if r["mode"] == "compiled"}
+    for r in memory:
+        r["less_than_compiled"] = plain[r["model"]] / max(r["held_bytes"], 1)
+    print_table(["model", "batch", "mode", "held MB (resident-set growth)", "x less"],
+                [[r["model"], r["batch"], r["mode"], r["held_bytes"] / 2**20,
+                  r["less_than_compiled"]] for r in memory])
+    print()
+    steps = {name: step_times(name, batch, args.repeats) for name, batch in CASES}
+    rows = []
+    for name, by_mode in steps.items():
+        for mode, seconds in by_mode.items():
+            rows.append([name, mode, seconds, seconds / by_mode["compiled"],
+                         seconds / by_mode["eager+division"]])
+    print_table(["step b64", "mode", "median s", "vs compiled", "vs eager+division"], rows)
+
+    payload = {"settings": {"division": DIVISION, "repeats": args.repeats,
+                            "malloc_mmap_threshold": 65536, "torch": torch.__version__},
+               "memory": memory, "step_seconds": steps}
+    path = write_results("compile-cpu", payload, device="cpu")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

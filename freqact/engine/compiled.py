@@ -1,0 +1,191 @@
+"""Saved-tensor hooks that torch.compile inlines: the codec inside compiled graphs.
+
+AOTAutograd (torch >= 2.8) inlines saved-tensor hooks that are `torch.fx.GraphModule`s: each
+tensor the compiled forward saves for backward goes through the pack graph in the forward's
+epilogue and the unpack graph in the backward's prologue, so the compiled graph itself holds the
+packed form between forward and backward (`maybe_inline_graph_saved_tensors_hooks` in
+torch/_functorch/_aot_autograd/graph_compile.py). Plain Python hooks instead only see what the
+compiled function as a whole saves, and keep it as is.
+
+Inside a graph nothing says which module is running, so the graph-level rule reads the saved
+tensor alone (`GraphCodec.compresses`): with AOTAutograd's "donated" filtering only intermediates
+(never parameters or graph inputs) reach the hooks; of those, floating tensors of rank 3 to 5
+with at least `threshold` elements go through the codec, the rest are kept. The packed form
+travels as a tuple of tensors (AOTAutograd flattens pack outputs into forward outputs / backward
+inputs). The same hooks run as plain Python hooks where the model runs eagerly (graph breaks):
+there the eager codec encodes the same tensors (parameters and their views kept).
+
+The hook objects are cached per codec setting: dynamo guards on their identity, so a fresh pair
+per `compress` block would recompile the model at every step.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from freqact.codecs.base import Codec, Exact
+
+__all__ = ["GRAPH_CODECS", "THRESHOLD", "GraphCodec", "graph_hooks", "installed", "is_compiled",
+           "spec_for"]
+
+GRAPH_CODECS = ("exact", "division")
+"""The codecs that can run inside a compiled graph (their encode/decode are custom ops)."""
+
+THRESHOLD = 4096
+"""Saved tensors with fewer elements are kept as they are inside graphs (their bytes are few)."""
+
+_CODEC_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_EXACT = Exact()
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether model runs through torch.compile: `torch.compile(model)` or `model.compile()`."""
+    return (isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+            or getattr(model, "_compiled_call_impl", None) is not None)
+
+
+def spec_for(model: nn.Module, codec: Codec, include, exclude) -> GraphCodec | None:
+    """The graph-level codec `compress` uses for model, or None when model is not compiled (the
+    eager engine's module routes then apply).
+
+    Raises:
+        ValueError: compiled modules inside an uncompiled model (the eager hooks would run outside
+            their graphs and save nothing), include/exclude with a compiled model (a graph does
+            not tell modules apart), or a codec that cannot run inside a graph.
+    """
+    if not is_compiled(model):
+        inner = next((name for name, m in model.named_modules() if name and is_compiled(m)),
+                     None)
+        if inner is not None:
+            raise ValueError(f"model: submodule {inner!r} is compiled inside an uncompiled "
+                             f"model; compress the whole compiled model (torch.compile(model)) "
+                             f"or none of it compiled")
+        return None
+    if include is not None or exclude is not None:
+        raise ValueError("include/exclude: not supported for a compiled model (inside a graph "
+                         "the saved tensors do not say which module saved them); compress the "
+                         "uncompiled model to select modules")
+    return GraphCodec.of(codec)
+
+
+@dataclass(frozen=True)
+class GraphCodec:
+    """A codec's settings as plain constants, the arguments baked into the hook graphs.
+
+    Attributes:
+        name: "exact" or "division".
+        block, bits, backend: division's settings (unused by exact).
+        threshold: smallest element count compressed inside graphs.
+    """
+
+    name: str
+    block: int = 8
+    bits: int = 2
+    backend: str = "auto"
+    threshold: int = THRESHOLD
+
+    @classmethod
+    def of(cls, codec: Codec, threshold: int = THRESHOLD) -> GraphCodec:
+        """The graph form of codec.
+
+        Raises:
+            ValueError: if codec cannot run inside a compiled graph.
+        """
+        if codec.name not in GRAPH_CODECS:
+            raise ValueError(f"codec: {codec.name!r} cannot run inside a torch.compile graph "
+                             f"(supported there: {', '.join(GRAPH_CODECS)}); compress the "
+                             f"uncompiled model instead")
+        if codec.name == "exact":
+            return cls("exact", threshold=threshold)
+        return cls("division", codec.block, codec.bits, codec._kernels or "auto", threshold)
+
+    def compresses(self, t: torch.Tensor) -> bool:
+        """The graph-level rule: which saved tensors go through the codec."""
+        return (self.name == "division" and t.dtype in _CODEC_DTYPES
+                and t.layout == torch.strided and 3 <= t.dim() <= 5
+                and t.numel() >= self.threshold)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    """Whether t is being traced (AOTAutograd calls the hooks on fake tensors)."""
+    return torch._subclasses.fake_tensor.is_fake(t)
+
+
+def _leaf_or_view_of_leaf(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (`weight.t()`), as eager autograd saves them."""
+    base = t._base if t._base is not None else t
+    return base.requires_grad and base.grad_fn is None
+
+
+def _graph_pack(t: torch.Tensor, name: str, block: int, bits: int, backend: str,
+                threshold: int):
+    """The pack hook (the graph's only node): the packed form of saved tensor t.
+
+    Returns:
+        Traced: t itself when kept (AOTAutograd then leaves the saved tensor alone), or
+        (lfc, lo, step, codes, shape, dtype) for division. Eager: the eager codec's packed form.
+    """
+    spec = GraphCodec(name, block, bits, backend, threshold)
+    if not _is_fake(t):
+        # A graph break: this op runs eagerly, and autograd calls the hook on the real tensor.
+        if spec.compresses(t) and not _leaf_or_view_of_leaf(t):
+            return _eager_codec(spec).encode(t)
+        return _EXACT.encode(t)
+    if not spec.compresses(t):
+        return t
+    # A tensor seed, drawn in the graph: each step encodes with fresh noise.
+    seed = torch.randint(2**62, (), dtype=torch.int64)
+    parts = torch.ops.freqact.division_encode(t, block, bits, None, seed, backend)
+    return (*parts, tuple(t.shape), t.dtype)
+
+
+def _graph_unpack(packed, name: str, block: int, bits: int, backend: str, threshold: int):
+    """The unpack hook: the tensor rebuilt from what `_graph_pack` returned."""
+    if isinstance(packed, torch.Tensor):
+        return packed
+    if not isinstance(packed, tuple):  # eager: a packed type of the codecs
+        spec = GraphCodec(name, block, bits, backend, threshold)
+        codec = _eager_codec(spec) if type(packed).__name__ != "ExactPacked" else _EXACT
+        return codec.decode(packed)
+    lfc, lo, step, codes, shape, dtype = packed
+    return torch.ops.freqact.division_decode(lfc, lo, step, codes, list(shape), dtype, block,
+                                             bits, backend)
+
+
+@functools.cache
+def _eager_codec(spec: GraphCodec) -> Codec:
+    from freqact import codecs
+
+    if spec.name == "exact":
+        return _EXACT
+    return codecs.get("division", block=spec.block, bits=spec.bits,
+                      backend=None if spec.backend == "auto" else spec.backend)
+
+
+def _hook_module(fn, spec: GraphCodec, arg: str) -> torch.fx.GraphModule:
+    """A one-node GraphModule calling fn(arg, *spec): the form AOTAutograd inlines."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder(arg)
+    graph.output(graph.call_function(fn, (x, spec.name, spec.block, spec.bits, spec.backend,
+                                          spec.threshold)))
+    return torch.fx.GraphModule(nn.Module(), graph)
+
+
+@functools.cache
+def graph_hooks(spec: GraphCodec) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """The (pack, unpack) GraphModules of spec, one pair per setting (dynamo guards on them)."""
+    return _hook_module(_graph_pack, spec, "t"), _hook_module(_graph_unpack, spec, "packed")
+
+
+@contextlib.contextmanager
+def installed(spec: GraphCodec):
+    """Install spec's graph-level hooks, with AOTAutograd's "donated" filtering (only graph
+    intermediates get hooks: parameters and inputs stay as they are), for the block."""
+    pack, unpack = graph_hooks(spec)
+    with (torch._functorch.config.patch(saved_tensors_hooks_filtering_mode="donated"),
+          torch.autograd.graph.saved_tensors_hooks(pack, unpack)):
+        yield

@@ -1,0 +1,187 @@
+"""The codec inside torch.compile graphs: the custom ops (fakes, opcheck, seeded bytes) and
+`compress` around a compiled model (exact gradients, the packed bytes the graph holds, graph
+breaks, new shapes, eval, the refused combinations). Compiles are slow on 2 cores: tiny models."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import freqact
+import freqact.kernels as K
+from freqact.kernels import cpu
+
+OPS = torch.ops.freqact
+BACKEND = "cpu" if cpu.available() else "torch"
+# opcheck without its dynamic-shape AOT pass (minutes on 2 cores); the compiled tests trace them
+OPCHECK = ("test_schema", "test_autograd_registration", "test_faketensor",
+           "test_aot_dispatch_static")
+
+
+def _opcheck(op, args):
+    torch.library.opcheck(op, args, test_utils=OPCHECK)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(8, 10))
+
+
+def _grads(model: nn.Module, x: torch.Tensor, block=None) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    if block is None:
+        model(x).square().sum().backward()
+    else:
+        with block:
+            out = model(x)
+        out.square().sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+# --- the custom ops ------------------------------------------------------------------------------
+
+
+def test_ops_opcheck_and_fakes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    backend = BACKEND
+    for shape in [(2, 13), (2, 3, 11), (2, 3, 7, 9), (1, 2, 3, 9, 10)]:
+        x = torch.randn(shape)
+        seed = torch.tensor(5)
+        real = OPS.division_encode(x, 4, 2, None, seed, backend)
+        with FakeTensorMode() as mode:
+            fake = OPS.division_encode(mode.from_tensor(x), 4, 2, None, mode.from_tensor(seed),
+                                       backend)
+        assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
+    x = torch.randn(2, 3, 5, 6)
+    noise = torch.rand(x.shape)
+    _opcheck(OPS.division_encode.default, (x, 4, 2, noise, torch.tensor(1), backend))
+    parts = OPS.division_encode(x, 4, 2, noise, torch.tensor(1), backend)
+    _opcheck(OPS.division_decode.default, (*parts, list(x.shape), x.dtype, 4, 2, backend))
+    _opcheck(OPS.pack_mask.default, (x, 0.0, None, backend))
+    _opcheck(OPS.pack_mask.default, (x, -0.5, 0.5, backend))
+    packed = OPS.pack_mask(x, 0.0, None, backend)
+    assert torch.equal(packed, K.pack_mask(x, 0.0, backend="torch"))
+    _opcheck(OPS.unpack_mask.default, (packed, list(x.shape), x.dtype, 0.0, 1.0, backend))
+    assert torch.equal(OPS.unpack_mask(packed, list(x.shape), x.dtype, 0.0, 1.0, backend),
+                       (x > 0).float())
+
+
+@pytest.mark.skipif(not cpu.available(), reason="the C kernels cannot be built here")
+def test_seeded_encode_same_bytes_eager_op_and_compiled():
+    x = torch.randn(2, 3, 10, 12)
+    want = K.division_encode(x, 4, 2, seed=123, backend="cpu")
+    assert not torch.equal(want.codes, K.division_encode(x, 4, 2, seed=124, backend="cpu").codes)
+
+    def f(x, seed):
+        return OPS.division_encode(x, 4, 2, None, seed, "cpu")
+
+    for parts in (f(x, torch.tensor(123)), torch.compile(f, fullgraph=True)(x, torch.tensor(123))):
+        for name, got in zip(("lfc", "lo", "step", "codes"), parts):
+            assert torch.equal(got.view(torch.uint8), getattr(want, name).view(torch.uint8)), name
+    with pytest.raises(ValueError, match="seed"):
+        K.division_encode(x, 4, 2, seed=-1)
+
+
+# --- compress around a compiled model ------------------------------------------------------------
+
+
+def test_compiled_exact_matches_compiled_normal():
+    model, x = _net(), torch.randn(4, 3, 16, 16)
+    compiled = torch.compile(model)
+    plain = _grads(compiled, x)
+    exact = _grads(compiled, x, freqact.compress(compiled, "exact"))
+    eager = _grads(model, x)
+    for p, e, g in zip(plain, exact, eager):
+        assert torch.equal(p, e)  # the exact hooks leave the graph as it was
+        torch.testing.assert_close(p, g, rtol=1e-4, atol=1e-5)  # Inductor reorders sums
+
+
+class _Spy:
+    """Records the C kernels' encode outputs and decode inputs as the compiled graph calls them."""
+
+    def __init__(self, monkeypatch):
+        self.encoded, self.decoded = [], []
+        encode, decode = cpu.encode, cpu.decode
+
+        def spy_encode(x, geom, bits, noise, seed):
+            out = encode(x, geom, bits, noise, seed)
+            self.encoded.append((x.clone(), seed, [t.clone() for t in out]))
+            return out
+
+        def spy_decode(lfc, lo, step, codes, geom, bits, dtype):
+            self.decoded.append([t.clone() for t in (lfc, lo, step, codes)])
+            return decode(lfc, lo, step, codes, geom, bits, dtype)
+
+        monkeypatch.setattr(cpu, "encode", spy_encode)
+        monkeypatch.setattr(cpu, "decode", spy_decode)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="the C kernels cannot be built here")
+def test_compiled_division_holds_the_eager_codec_bytes(monkeypatch):
+    model, x = _net(), torch.randn(4, 3, 16, 16)
+    compiled = torch.compile(model)
+    exact = _grads(compiled, x)
+    spy = _Spy(monkeypatch)
+    model.zero_grad(set_to_none=True)
+    with freqact.compress(compiled, "division", block=4, bits=2):
+        out = compiled(x)
+    # encoded in the forward, nothing decoded before backward: the graph holds the packed form
+    assert len(spy.encoded) >= 1 and not spy.decoded
+    out.square().sum().backward()
+    assert len(spy.decoded) == len(spy.encoded)
+    first_conv = model[0](x)
+    assert any(torch.allclose(xs, first_conv, atol=1e-5) for xs, _, _ in spy.encoded)
+    for xs, seed, parts in spy.encoded:
+        want = K.division_encode(xs, 4, 2, seed=seed, backend="cpu")
+        assert all(torch.equal(p, getattr(want, n)) for p, n in
+                   zip(parts, ("lfc", "lo", "step", "codes")))
+        assert any(all(torch.equal(a, b) for a, b in zip(parts, d)) for d in spy.decoded)
+    assert len({seed for _, seed, _ in spy.encoded}) == len(spy.encoded)  # fresh noise each
+    grads = [p.grad for p in model.parameters()]
+    assert all(g.isfinite().all() for g in grads)
+    err = max(float((g - e).norm() / e.norm()) for g, e in zip(grads, exact))
+    assert 0 < err < 0.5
+
+
+def test_compiled_refused_combinations():
+    compiled = torch.compile(_net())
+    with pytest.raises(ValueError, match="codec: 'lfc' cannot run inside a torch.compile"):
+        freqact.compress(compiled, "lfc")
+    with pytest.raises(ValueError, match="include/exclude"):
+        freqact.compress(compiled, "division", include=[nn.Conv2d])
+    outer = nn.Sequential(torch.compile(nn.Linear(4, 4)), nn.ReLU())
+    with pytest.raises(ValueError, match="submodule '0' is compiled"):
+        freqact.compress(outer, "division")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cpu.available(), reason="the C kernels cannot be built here")
+def test_compiled_division_graph_break_new_shape_and_eval(monkeypatch):
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 4, 3, padding=1)
+
+        def forward(self, x):
+            y = torch.relu(self.a(x))
+            torch._dynamo.graph_break()
+            return self.b(y * 2).mean((2, 3))
+
+    torch.manual_seed(0)
+    model = Broken()
+    compiled = torch.compile(model)
+    spy = _Spy(monkeypatch)
+    for n in (4, 6):  # a new batch size: a recompile (or a dynamic graph), both compress
+        spy.encoded.clear()
+        x = torch.randn(n, 3, 12, 12)
+        with freqact.compress(compiled, "division", block=4, bits=2):
+            out = compiled(x)
+        assert {xs.shape[0] for xs, _, _ in spy.encoded} == {n}
+        assert len(spy.encoded) >= 2  # on both sides of the break
+        out.sum().backward()
+    model.eval()
+    with torch.no_grad(), freqact.compress(compiled, "division"):
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
