@@ -13,7 +13,8 @@ In one run, for CIFAR ResNet-18 and the small ViT (`freqact.models.get("vit")`),
 
 Prints a table and writes benchmarks/results/compile-<device>.json.
 
-    python -m benchmarks.compile_bench
+    python -m benchmarks.compile_bench                   # both models
+    python -m benchmarks.compile_bench --models resnet18
 """
 from __future__ import annotations
 
@@ -95,13 +96,15 @@ def step_times(name: str, batch: int, repeats: int) -> dict:
     times = {mode: [] for mode in STEP_MODES}
     for _ in range(repeats):
         for mode in STEP_MODES:
-            times[mode].append(median_time(lambda: step(mode), warmup=0, repeats=1))
+            times[mode].append(median_time(lambda m=mode: step(m), warmup=0, repeats=1))
     return {mode: statistics.median(seconds) for mode, seconds in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per median")
+    parser.add_argument("--models", nargs="+", default=[n for n, _ in CASES],
+                        choices=[n for n, _ in CASES], help="the models to run (default: all)")
     parser.add_argument("--memory-case", nargs=3, metavar=("MODEL", "BATCH", "MODE"),
                         help=argparse.SUPPRESS)  # internal: one memory case, JSON on stdout
     args = parser.parse_args(argv)
@@ -112,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure_memory(name, int(batch), mode)))
         return 0
 
+    cases = [(name, batch) for name, batch in CASES if name in args.models]
     memory = [_memory_in_fresh_process(name, batch, mode)
-              for name, batch in CASES for mode in MEMORY_MODES]
+              for name, batch in cases for mode in MEMORY_MODES]
     plain = {r["model"]: r["held_bytes"] for r in memory if r["mode"] == "compiled"}
     for r in memory:
         r["less_than_compiled"] = plain[r["model"]] / max(r["held_bytes"], 1)
@@ -121,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 [[r["model"], r["batch"], r["mode"], r["held_bytes"] / 2**20,
                   r["less_than_compiled"]] for r in memory])
     print()
-    steps = {name: step_times(name, batch, args.repeats) for name, batch in CASES}
+    steps = {name: step_times(name, batch, args.repeats) for name, batch in cases}
     rows = []
     for name, by_mode in steps.items():
         for mode, seconds in by_mode.items():
@@ -131,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     payload = {"settings": {"division": DIVISION, "repeats": args.repeats,
                             "malloc_mmap_threshold": 65536, "torch": torch.__version__},
-               "memory": memory, "step_seconds": steps}
+               "models": args.models, "memory": memory, "step_seconds": steps}
     path = write_results("compile-cpu", payload, device="cpu")
     print(f"wrote {path}")
     return 0

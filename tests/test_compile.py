@@ -85,6 +85,32 @@ def test_seeded_encode_same_bytes_eager_op_and_compiled():
         K.division_encode(x, 4, 2, seed=-1)
 
 
+def test_graph_hooks_traced_round_trip():
+    # The hook graphs as AOTAutograd traces them (fake tensors), run on real ones: no Inductor.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from freqact.engine import compiled
+
+    pack, unpack = compiled.graph_hooks(compiled.GraphCodec("division", 4, 2, BACKEND))
+
+    def traced(t):
+        graph = make_fx(lambda t: unpack(pack(t)), tracing_mode="fake")(t)
+        return graph, {n.target for n in graph.graph.nodes if n.op == "call_function"}
+
+    mask = torch.randn(2, 64, 64) > 0  # Inductor's saved ReLU masks: 1 bit each, lossless
+    graph, ops = traced(mask)
+    assert OPS.pack_mask.default in ops and torch.equal(graph(mask), mask)
+    x = torch.randn(2, 8, 16, 16)
+    graph, ops = traced(x)
+    assert OPS.division_encode.default in ops and OPS.division_decode.default in ops
+    out = graph(x)
+    assert out.shape == x.shape and 0 < float((out - x).abs().max()) < float(x.abs().max())
+    small = torch.randn(2, 3, 4)  # under the threshold: kept, no op in the graph
+    graph, ops = traced(small)
+    assert not ops & {OPS.division_encode.default, OPS.pack_mask.default}
+    assert torch.equal(graph(small), small)
+
+
 # --- compress around a compiled model ------------------------------------------------------------
 
 

@@ -10,7 +10,8 @@ compiled function as a whole saves, and keep it as is.
 Inside a graph nothing says which module is running, so the graph-level rule reads the saved
 tensor alone (`GraphCodec.compresses`): with AOTAutograd's "donated" filtering only intermediates
 (never parameters or graph inputs) reach the hooks; of those, floating tensors of rank 3 to 5
-with at least `threshold` elements go through the codec, the rest are kept. The packed form
+with at least `threshold` elements go through the codec, boolean masks of that size (Inductor
+saves ReLU's) are held as 1 bit per element, the rest are kept. The packed form
 travels as a tuple of tensors (AOTAutograd flattens pack outputs into forward outputs / backward
 inputs). The same hooks run as plain Python hooks where the model runs eagerly (graph breaks):
 there the eager codec encodes the same tensors (parameters and their views kept).
@@ -22,12 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from freqact.codecs.base import Codec, Exact
+from freqact.codecs.base import Codec, Exact, ExactPacked
 
 __all__ = ["GRAPH_CODECS", "THRESHOLD", "GraphCodec", "graph_hooks", "installed", "is_compiled",
            "spec_for"]
@@ -44,7 +46,9 @@ _EXACT = Exact()
 
 def is_compiled(model: nn.Module) -> bool:
     """Whether model runs through torch.compile: `torch.compile(model)` or `model.compile()`."""
-    return (isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+    if "torch._dynamo" not in sys.modules:  # nothing was compiled (and eager users skip its import)
+        return False
+    return (isinstance(model, sys.modules["torch._dynamo"].eval_frame.OptimizedModule)
             or getattr(model, "_compiled_call_impl", None) is not None)
 
 
@@ -109,6 +113,12 @@ class GraphCodec:
                 and t.layout == torch.strided and 3 <= t.dim() <= 5
                 and t.numel() >= self.threshold)
 
+    def packs_bits(self, t: torch.Tensor) -> bool:
+        """Whether t is a boolean mask held as 1 bit per element (Inductor saves ReLU's
+        `x <= 0` masks for backward): lossless, so under any lossy codec."""
+        return (self.name == "division" and t.dtype == torch.bool
+                and t.layout == torch.strided and t.numel() >= self.threshold)
+
 
 def _is_fake(t: torch.Tensor) -> bool:
     """Whether t is being traced (AOTAutograd calls the hooks on fake tensors)."""
@@ -126,8 +136,8 @@ def _graph_pack(t: torch.Tensor, name: str, block: int, bits: int, backend: str,
     """The pack hook (the graph's only node): the packed form of saved tensor t.
 
     Returns:
-        Traced: t itself when kept (AOTAutograd then leaves the saved tensor alone), or
-        (lfc, lo, step, codes, shape, dtype) for division. Eager: the eager codec's packed form.
+        Traced: t itself when kept (AOTAutograd then leaves the saved tensor alone),
+        (lfc, lo, step, codes, shape, dtype) for division, (bits, shape) for a boolean mask. Eager: the eager codec's packed form.
     """
     spec = GraphCodec(name, block, bits, backend, threshold)
     if not _is_fake(t):
@@ -135,6 +145,10 @@ def _graph_pack(t: torch.Tensor, name: str, block: int, bits: int, backend: str,
         if spec.compresses(t) and not _leaf_or_view_of_leaf(t):
             return _eager_codec(spec).encode(t)
         return _EXACT.encode(t)
+    if spec.packs_bits(t):
+        # bf16: the smallest floating type the mask op reads (a transient copy in the epilogue)
+        return (torch.ops.freqact.pack_mask(t.to(torch.bfloat16), 0.5, None, backend),
+                tuple(t.shape))
     if not spec.compresses(t):
         return t
     # A tensor seed, drawn in the graph: each step encodes with fresh noise.
@@ -149,8 +163,12 @@ def _graph_unpack(packed, name: str, block: int, bits: int, backend: str, thresh
         return packed
     if not isinstance(packed, tuple):  # eager: a packed type of the codecs
         spec = GraphCodec(name, block, bits, backend, threshold)
-        codec = _eager_codec(spec) if type(packed).__name__ != "ExactPacked" else _EXACT
+        codec = _EXACT if isinstance(packed, ExactPacked) else _eager_codec(spec)
         return codec.decode(packed)
+    if len(packed) == 2:  # a boolean mask
+        bits, shape = packed
+        return torch.ops.freqact.unpack_mask(bits, list(shape), torch.bfloat16, 0.0, 1.0,
+                                             backend).to(torch.bool)
     lfc, lo, step, codes, shape, dtype = packed
     return torch.ops.freqact.division_decode(lfc, lo, step, codes, list(shape), dtype, block,
                                              bits, backend)
