@@ -158,6 +158,7 @@ def test_compiled_division_holds_the_eager_codec_bytes(monkeypatch):
     assert len(spy.encoded) >= 1 and not spy.decoded
     out.square().sum().backward()
     assert len(spy.decoded) == len(spy.encoded)
+    monkeypatch.undo()  # the eager encodes below must not be recorded
     first_conv = model[0](x)
     assert any(torch.allclose(xs, first_conv, atol=1e-5) for xs, _, _ in spy.encoded)
     for xs, seed, parts in spy.encoded:
@@ -168,14 +169,16 @@ def test_compiled_division_holds_the_eager_codec_bytes(monkeypatch):
     assert len({seed for _, seed, _ in spy.encoded}) == len(spy.encoded)  # fresh noise each
     grads = [p.grad for p in model.parameters()]
     assert all(g.isfinite().all() for g in grads)
-    err = max(float((g - e).norm() / e.norm()) for g, e in zip(grads, exact))
-    assert 0 < err < 0.5
+    flat = torch.cat([g.flatten() for g in grads])
+    want = torch.cat([e.flatten() for e in exact])
+    # eager division's error on this net is 0.006 at 8 bits; ReLU outputs keep exact signs
+    assert 0 < float((flat - want).norm() / want.norm()) < 0.3
 
 
 def test_compiled_refused_combinations():
     compiled = torch.compile(_net())
     with pytest.raises(ValueError, match="codec: 'lfc' cannot run inside a torch.compile"):
-        freqact.compress(compiled, "lfc")
+        freqact.compress(compiled, "lfc", ratio=0.5)
     with pytest.raises(ValueError, match="include/exclude"):
         freqact.compress(compiled, "division", include=[nn.Conv2d])
     outer = nn.Sequential(torch.compile(nn.Linear(4, 4)), nn.ReLU())

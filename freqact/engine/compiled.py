@@ -137,7 +137,8 @@ def _graph_pack(t: torch.Tensor, name: str, block: int, bits: int, backend: str,
 
     Returns:
         Traced: t itself when kept (AOTAutograd then leaves the saved tensor alone),
-        (lfc, lo, step, codes, shape, dtype) for division, (bits, shape) for a boolean mask. Eager: the eager codec's packed form.
+        (lfc, lo, step, codes, shape, dtype) for division (plus a 1-bit `> 0` mask for a ReLU
+        output), (bits, shape) for a boolean mask. Eager: the eager codec's packed form.
     """
     spec = GraphCodec(name, block, bits, backend, threshold)
     if not _is_fake(t):
@@ -154,7 +155,23 @@ def _graph_pack(t: torch.Tensor, name: str, block: int, bits: int, backend: str,
     # A tensor seed, drawn in the graph: each step encodes with fresh noise.
     seed = torch.randint(2**62, (), dtype=torch.int64)
     parts = torch.ops.freqact.division_encode(t, block, bits, None, seed, backend)
+    if _saved_relu_output():
+        # ReLU's backward reads the sign of what it saved: keep it exact as 1 bit (the eager
+        # routes' relu-mask), the values for the next op's backward in the division form.
+        return (*parts, tuple(t.shape), t.dtype, torch.ops.freqact.pack_mask(t, 0.0, None,
+                                                                             backend))
     return (*parts, tuple(t.shape), t.dtype)
+
+
+def _saved_relu_output() -> bool:
+    """Whether the saved tensor being traced is a ReLU's output, from the graph node AOTAutograd
+    describes to the hooks (a torch-internal context; without it, False)."""
+    from torch._functorch._aot_autograd import graph_compile
+
+    get = getattr(graph_compile, "_get_saved_tensor_hook_context", None)
+    context = get() if get is not None else None
+    node = context.get("_node") if context else None
+    return getattr(node, "target", None) is torch.ops.aten.relu.default
 
 
 def _graph_unpack(packed, name: str, block: int, bits: int, backend: str, threshold: int):
@@ -169,9 +186,15 @@ def _graph_unpack(packed, name: str, block: int, bits: int, backend: str, thresh
         bits, shape = packed
         return torch.ops.freqact.unpack_mask(bits, list(shape), torch.bfloat16, 0.0, 1.0,
                                              backend).to(torch.bool)
-    lfc, lo, step, codes, shape, dtype = packed
-    return torch.ops.freqact.division_decode(lfc, lo, step, codes, list(shape), dtype, block,
-                                             bits, backend)
+    lfc, lo, step, codes, shape, dtype, *positive = packed
+    x = torch.ops.freqact.division_decode(lfc, lo, step, codes, list(shape), dtype, block, bits,
+                                          backend)
+    if not positive:
+        return x
+    # a ReLU output: exactly zero where it was, strictly positive elsewhere
+    mask = torch.ops.freqact.unpack_mask(positive[0], list(shape), torch.bfloat16, 0.0, 1.0,
+                                         backend)
+    return torch.where(mask.to(torch.bool), x.clamp_min(torch.finfo(dtype).tiny), 0.0)
 
 
 @functools.cache
