@@ -287,7 +287,8 @@ class _Compress:
         _ACTIVE.on = False
 
     def __exit__(self, *exc) -> None:
-        self._functions.__exit__(*exc)
+        if self._graph is None:  # compiled models track no functions
+            self._functions.__exit__(*exc)
         self._hooks.__exit__(*exc)
         self._release()
 
