@@ -66,190 +66,21 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
-from freqact import _validate, checkpoint, codecs, data, distributed, engine, models, rundir
-from freqact.codecs.settings import Setting
-from freqact.errors import UsageError
+from freqact import _validate, checkpoint, data, distributed, engine, evaluation, models, rundir
 
-NORMAL_TITLE = "normal training (plain PyTorch)"
-MODES = ("normal", *codecs.modes())
-"""Training modes: `normal` (no hooks) and the codecs a whole model trains with."""
+# Re-exported: `train.RunConfig`, `train.evaluate` etc. stay where callers have always found them.
+from freqact.evaluation import cross_entropy, evaluate, evaluate_checkpoint  # noqa: F401
+from freqact.runconfig import MODES, NORMAL_TITLE, OPTIMIZERS, SEED, RunConfig, mode_settings, mode_title  # noqa: F401
+
 # Re-exported: the run directory owns them (`freqact.rundir`).
 RESUMABLE_CHANGES = rundir.RESUMABLE_CHANGES
 METRIC_COLUMNS = rundir.METRIC_COLUMNS
-# The SGD recipe's numbers: finite and in a range that can train (NaN or 1e30 would train to NaN).
-_HYPER = (
-    Setting("lr", float, 0.1, "initial learning rate", low=0.0, high=10.0),
-    Setting("momentum", float, 0.9, "SGD momentum", low=0.0, high=1.0),
-    Setting("weight_decay", float, 5e-4, "SGD weight decay", low=0.0, high=1.0),
-)
-OPTIMIZERS = ("sgd", "adamw")
-# Seeds reach torch.manual_seed as seed and seed * 65536 + rank: keep both inside 64 bits.
-SEED = Setting("seed", int, 0, "random seed", low=0, high=2**32 - 1)
-
-
-def mode_title(mode: str) -> str:
-    """What a training mode does, in words ("LFC-ACT (only the DCT low band cached)")."""
-    _validate.choice("mode", mode, MODES)
-    return NORMAL_TITLE if mode == "normal" else codecs.codec_class(mode).title
-
-
-def mode_settings(mode: str) -> tuple[Setting, ...]:
-    """The codec settings `mode` takes (none for `normal`)."""
-    _validate.choice("mode", mode, MODES)
-    return () if mode == "normal" else codecs.codec_class(mode).settings
-
-
-@dataclasses.dataclass
-class _Identity:
-    model: str = "resnet20"
-    dataset: str = "cifar10"
-    mode: str = "normal"
-
-
-# One field per setting of the training modes' codecs, declared by the codecs themselves.
-_WithCodecSettings = dataclasses.make_dataclass(
-    "_WithCodecSettings",
-    [(s.name, s.type, dataclasses.field(default=s.default)) for s in codecs.mode_settings()],
-    bases=(_Identity,))
-
-
-@dataclasses.dataclass
-class RunConfig(_WithCodecSettings):
-    """Everything that defines a training run; plain JSON types only (it goes into checkpoints).
-
-    Attributes:
-        model: a `freqact.models` name.
-        dataset: one of `freqact.data.DATASETS`.
-        mode: one of `MODES`.
-        codec settings: one field per setting that a training mode's codec declares
-            (`freqact.codecs.mode_settings()`, e.g. ratio, block, bits, backend), with the
-            declared default and range. Each mode uses its own codec's settings (`codec_params`);
-            the others are checked but not used, and `to_dict` leaves them out.
-        epochs, batch_size, lr, momentum, weight_decay: the SGD + cosine recipe; batch_size is
-            global (split over the ranks under torchrun); lr in [0, 10], momentum and
-            weight_decay in [0, 1], all finite.
-        optimizer: "sgd" (default) or "adamw" (momentum unused; see the module docstring).
-        model_options: keyword settings of the model's builder (plain JSON: numbers, strings,
-            lists for tuples), e.g. {"dim": 64}; {} for the family's defaults.
-        subset: train on the first `subset` training images only (the test set is always whole);
-            for synthetic, the number of training images drawn.
-        seed: seeds the model initialisation, data order, augmentation and codec noise; an
-            integer in [0, 2**32 - 1].
-        amp: autocast (bfloat16 on CPU; float16 with a GradScaler on CUDA).
-        device: "cpu", "cuda", "cuda:N" or None for CUDA when available.
-        data_dir: CIFAR data directory (else $FREQACT_DATA, else ./data).
-        download: download CIFAR when missing.
-        out: run directory; None means runs/<model>-<dataset>-<mode>.
-        save_epochs: epochs after which `ckpt/epoch-XXXX.pt` is kept.
-        save_every: also keep every K-th epoch's checkpoint (None: only `save_epochs`).
-        resume: continue the run in `out` from `ckpt/last.pt`, else from its newest loadable
-            `ckpt/epoch-XXXX.pt` (start it if there is none yet, so a preemptible job can always
-            be relaunched with the same command).
-        log_every: print a progress line every N training steps; None: every ~10 % of an epoch
-            when stdout is not a terminal (a terminal gets a progress bar instead).
-        fsdp: under torchrun, shard the model with FSDP2 instead of wrapping it in DDP (one
-            process: no effect).
-    """
-
-    epochs: int = 100  # the original code's CIFAR runs (94.89 % normal, 94.72 % DIVISION)
-    batch_size: int = 256
-    lr: float = 0.1
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    optimizer: str = "sgd"
-    model_options: dict = dataclasses.field(default_factory=dict)
-    subset: int | None = None
-    seed: int = 0
-    amp: bool = False
-    device: str | None = None
-    data_dir: str | None = None
-    download: bool = False
-    out: str | None = None
-    save_epochs: list[int] = dataclasses.field(default_factory=lambda: [20, 40, 60])
-    save_every: int | None = None
-    resume: bool = False
-    log_every: int | None = None
-    fsdp: bool = False
-
-    def __post_init__(self) -> None:
-        _validate.choice("dataset", self.dataset, data.DATASETS)
-        _validate.choice("mode", self.mode, MODES)
-        _validate.choice("optimizer", self.optimizer, OPTIMIZERS)
-        if not isinstance(self.model_options, dict):
-            raise UsageError(f"model_options: expected a dict of model settings, got "
-                             f"{self.model_options!r}")
-        for setting in (*codecs.mode_settings(), *_HYPER, SEED):
-            setattr(self, setting.name, setting.check(getattr(self, setting.name)))
-        for name in ("epochs", "batch_size"):
-            _validate.positive_int(name, getattr(self, name))
-        for name in ("subset", "save_every", "log_every"):
-            if getattr(self, name) is not None:
-                _validate.positive_int(name, getattr(self, name))
-        self.save_epochs = sorted({_validate.positive_int("save_epochs", e)
-                                   for e in self.save_epochs})
-        if self.out is None:
-            self.out = str(Path("runs") / f"{self.model}-{self.dataset}-{self.mode}")
-
-    @classmethod
-    def from_dict(cls, stored: dict) -> RunConfig:
-        """The config of a stored run (`config.json` or a checkpoint's "config"), old or new.
-
-        Keys that are not fields (num_classes, world_size, kernels, the removed `workers`) are
-        ignored, and settings a stored config leaves out (a mode's unused codec settings, or
-        `backend` before it existed) take their defaults, so every config.json freqact wrote still loads.
-        """
-        fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in stored.items() if k in fields})
-
-    def codec_params(self) -> dict:
-        """The keyword settings of this mode's codec, e.g. {"block": 8, "bits": 2, "backend":
-        "auto"} (empty for `normal`)."""
-        return {s.name: getattr(self, s.name) for s in mode_settings(self.mode)}
-
-    def label_params(self) -> dict:
-        """The codec settings that name a run in labels and tables, e.g. {"block": 8, "bits": 2}
-        (those with a `symbol`; the kernel backend is not one)."""
-        return {s.name: getattr(self, s.name) for s in mode_settings(self.mode) if s.symbol}
-
-    def to_dict(self) -> dict:
-        """The plain-JSON form written to config.json and checkpoints: every field except the
-        codec settings this mode does not use (a division run records no "ratio")."""
-        unused = {s.name for s in codecs.mode_settings()} - set(self.codec_params())
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in unused}
-
-    def kernels(self, device: str | torch.device) -> str | None:
-        """The kernel backend this run's codec resolves to on `device` ("torch", "cpu" or
-        "triton"; None for modes without kernels); recorded as "kernels" in config.json, so runs
-        with and without a C compiler (same seed, other noise stream) can be told apart."""
-        if self.mode == "normal":
-            return None
-        return codecs.get(self.mode, **self.codec_params()).backend_used(device)
-
-
-def evaluate(model: torch.nn.Module, loader: Iterable, device: str | torch.device) -> dict:
-    """Mean cross-entropy and accuracy of `model` over `loader`, without gradients.
-
-    Args:
-        model: a classifier (logits (N, K)) or a language model (logits (N, T, V)); put in
-            eval mode here.
-        loader: iterable of (inputs, labels) batches, inputs shaped as the model expects, labels
-            (N,) or (N, T).
-        device: where to run.
-
-    Returns:
-        {"loss": float, "accuracy": float in [0, 1], "count": int}, over every target (every
-        token for a language model: loss in nats per token).
-    """
-    sums = _eval_sums(model, loader, torch.device(device))
-    return _summarise(sums)
 
 
 def train(config: RunConfig, *, model: torch.nn.Module | None = None) -> dict:
@@ -276,27 +107,6 @@ def train(config: RunConfig, *, model: torch.nn.Module | None = None) -> dict:
     finally:
         distributed.teardown(ctx)
 
-
-def evaluate_checkpoint(path: str, *, data_dir: str | None = None, device: str | None = None,
-                        batch_size: int = 512) -> dict:
-    """Test loss and accuracy of a checkpoint on its run's dataset.
-
-    Args:
-        path: a checkpoint written by `train`.
-        data_dir: CIFAR data directory (default: the run's, else $FREQACT_DATA, else ./data).
-        device: where to evaluate (default: CUDA when available).
-        batch_size: evaluation batch size.
-
-    Returns:
-        `evaluate`'s dict plus "epoch" and "checkpoint".
-    """
-    ctx = distributed.Context(device=distributed.pick_device(device))
-    net, ckpt = checkpoint.load_model(path, ctx.device)
-    cfg = ckpt["config"]
-    ds = data.load_for_model(cfg["dataset"], net, data_dir or cfg["data_dir"], subset=cfg["subset"],
-                             seed=cfg["seed"], device=ctx.device)
-    batches = _eval_batches(ds, net, ctx, _validate.positive_int("batch_size", batch_size))
-    return {**evaluate(net, batches, ctx.device), "epoch": ckpt["epoch"], "checkpoint": str(path)}
 
 
 @dataclasses.dataclass
@@ -423,8 +233,8 @@ def _epoch(state: _Trainer, epoch: int) -> dict:
                        state.optimizer, state.scaler, state.aug_gen, epoch)
     row["lr"] = state.scheduler.get_last_lr()[0]
     state.scheduler.step()
-    test = _summarise(distributed.all_reduce_sum(
-        _eval_sums(state.net, _eval_batches(state.ds, state.net, ctx, 2 * config.batch_size,
+    test = evaluation.summarise(distributed.all_reduce_sum(
+        evaluation.eval_sums(state.net, evaluation.eval_batches(state.ds, state.net, ctx, 2 * config.batch_size,
                                             even=config.fsdp), ctx.device), ctx))
     row.update(test_loss=test["loss"], test_acc=test["accuracy"])
     return {c: row.get(c) for c in METRIC_COLUMNS}
@@ -543,7 +353,7 @@ def _train_epoch(config, ctx, ddp, net, ds, order, optimizer, scaler, aug_gen, e
         autocast = torch.autocast(ctx.device.type, amp_dtype, enabled=config.amp)
         with _compressing(net, config) as step_meter, autocast:
             logits = ddp(x)
-            loss = cross_entropy(logits, y)
+            loss = evaluation.cross_entropy(logits, y)
         if step == 0:  # a full batch (the last one may be short): what one step holds
             meter = step_meter
         optimizer.zero_grad(set_to_none=True)
@@ -557,7 +367,7 @@ def _train_epoch(config, ctx, ddp, net, ds, order, optimizer, scaler, aug_gen, e
         progress.step(step + 1, sums, start)
     progress.close()
     elapsed = time.perf_counter() - start
-    summary = _summarise(distributed.all_reduce_sum(sums, ctx))
+    summary = evaluation.summarise(distributed.all_reduce_sum(sums, ctx))
     row = {"epoch": epoch, "train_loss": summary["loss"], "train_acc": summary["accuracy"],
            "epoch_time_s": elapsed, "images_per_s": summary["count"] / elapsed}
     if meter is not None:  # the first step's meter: what one full step holds for backward
@@ -604,47 +414,6 @@ def _compressing(net: torch.nn.Module, config: RunConfig):
         return contextlib.nullcontext()
     return engine.compress(net, config.mode, **config.codec_params())
 
-
-def _eval_batches(ds: data.Dataset, net, ctx: distributed.Context, batch: int, *,
-                  even: bool = False) -> Iterator:
-    """This rank's share (every world_size-th image) of the whole test set, in batches.
-
-    even: every rank gets as many batches, as FSDP2 needs (each forward gathers weights from all
-    ranks): the share is cut into the largest rank's number of batches (none empty for batch >= 2,
-    since shares differ by at most one image; some models cannot run an empty batch).
-    """
-    idx = torch.arange(ctx.rank, len(ds.test_labels), ctx.world_size, device=ctx.device)
-    most = math.ceil(math.ceil(len(ds.test_labels) / ctx.world_size) / batch)
-    for chunk in idx.tensor_split(most) if even else idx.split(batch):
-        yield (data.model_inputs(ds, ds.test_images[chunk], net),
-               ds.test_labels[chunk])
-
-
-def _eval_sums(model: torch.nn.Module, loader: Iterable, device: torch.device) -> torch.Tensor:
-    """float64 tensor [loss sum, correct, count] over `loader`, under no_grad in eval mode."""
-    model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=device)
-    with torch.no_grad():
-        for x, y in loader:
-            logits = model(x.to(device))
-            y = y.to(device)
-            sums[0] += cross_entropy(logits.float(), y, reduction="sum").double()
-            sums[1] += (logits.argmax(-1) == y).sum()
-            sums[2] += y.numel()
-    return sums
-
-
-def cross_entropy(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy of logits (..., K) against int64 targets (...): a classifier's (N, K)/(N,)
-    or a language model's next-token loss (N, T, V)/(N, T), averaged (or summed) over targets."""
-    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction=reduction)
-
-
-def _summarise(sums: torch.Tensor) -> dict:
-    """[loss sum, correct, count] -> {"loss", "accuracy", "count"} (NaN means for count 0)."""
-    loss_sum, correct, count = sums.tolist()
-    return {"loss": loss_sum / count if count else float("nan"),
-            "accuracy": correct / count if count else float("nan"), "count": int(count)}
 
 
 def _get_rng(ctx: distributed.Context, aug_gen: torch.Generator) -> dict:

@@ -159,14 +159,14 @@ def test_runs_written_before_the_fsdp_setting_resume(tmp_path):
 
 def test_fsdp_evaluation_gives_every_rank_as_many_batches():
     # each FSDP2 forward gathers weights from every rank: a rank with one batch fewer would hang
-    from freqact import data, distributed, models, train
+    from freqact import data, distributed, evaluation, models
 
     net = models.get("mlp")
     ds = data.load_synthetic(8, num_test=33, shape=net.input_shape)
 
     def sizes(rank, **kwargs):
         ctx = distributed.Context(rank=rank, world_size=2)
-        return [len(y) for _, y in train._eval_batches(ds, net, ctx, 8, **kwargs)]
+        return [len(y) for _, y in evaluation.eval_batches(ds, net, ctx, 8, **kwargs)]
 
     assert sizes(0, even=True) == [6, 6, 5] and sizes(1, even=True) == [6, 5, 5]
     assert sizes(0) == [8, 8, 1] and sizes(1) == [8, 8]
