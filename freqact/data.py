@@ -23,15 +23,7 @@ per-image Python loop.
 """
 from __future__ import annotations
 
-import gzip
-import hashlib
 import os
-import shutil
-import tarfile
-import tempfile
-import urllib.error
-import urllib.request
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from freqact import _validate, text
+from freqact.download import fetch_archive
 from freqact.safepickle import load_pickle
 
 DATASETS = ("cifar10", "cifar100", "digits", "synthetic", "stdlib-text")
@@ -210,66 +203,12 @@ def download_cifar(name: str, data_dir: str | os.PathLike | None = None, *,
 
     Raises:
         FileNotFoundError: if the server cannot be reached or the archive's md5 is wrong.
-        ValueError: if the archive cannot be unpacked safely (see `_unpack`).
+        ValueError: if the archive cannot be unpacked safely (see `freqact.download`).
     """
     _validate.choice("name", name, tuple(_CIFAR))
     spec = _CIFAR[name]
-    root = resolve_data_dir(data_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    md5 = hashlib.md5()
-    with tempfile.TemporaryFile(dir=root) as archive:
-        try:
-            with urllib.request.urlopen(spec["url"], timeout=timeout) as response:
-                for chunk in iter(lambda: response.read(1 << 20), b""):
-                    md5.update(chunk)
-                    archive.write(chunk)
-        except (urllib.error.URLError, OSError) as err:
-            raise FileNotFoundError(
-                f"{name}: could not download {spec['url']} ({err}); offline, download it elsewhere "
-                f"and unpack it into {root} (giving {root / spec['folder']}), or set --data-dir / "
-                "$FREQACT_DATA"
-            ) from None
-        if md5.hexdigest() != spec["md5"]:
-            raise FileNotFoundError(
-                f"{name}: {spec['url']} has md5 {md5.hexdigest()}, expected {spec['md5']}; "
-                "the download is corrupt, try again"
-            )
-        archive.seek(0)
-        _unpack(archive, spec["folder"], root, spec["url"])
-    return root / spec["folder"]
-
-
-def _unpack(archive, folder: str, root: Path, source: str) -> None:
-    """Extract `folder` of a .tar.gz into `root`: nothing but that folder ever lands there.
-
-    The archive goes into a fresh temporary folder beside the target, then `folder` is moved into
-    place whole (one rename). When `root/folder` already exists (some files missing), only the
-    missing files are moved in: an existing file is never overwritten, and members outside
-    `folder` are dropped with the temporary folder.
-
-    Raises:
-        ValueError: one line naming `source`, if the archive is not a clean tar.gz (the `data`
-            filter refuses absolute paths, links out of the tree, devices) or lacks `folder`.
-    """
-    scratch = Path(tempfile.mkdtemp(dir=root, prefix=".freqact-unpack-"))
-    try:
-        try:
-            with tarfile.open(fileobj=archive, mode="r:gz") as tar:
-                tar.extractall(scratch, filter="data")
-        except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib.error) as err:
-            raise ValueError(f"{source}: cannot unpack the archive safely "
-                             f"({type(err).__name__}: {err})") from None
-        unpacked, target = scratch / folder, root / folder
-        if not unpacked.is_dir() or unpacked.is_symlink():
-            raise ValueError(f"{source}: the archive holds no folder {folder}")
-        if not target.exists():
-            os.rename(unpacked, target)
-            return
-        for path in sorted(unpacked.iterdir()):
-            if not (target / path.name).exists() and path.is_file() and not path.is_symlink():
-                os.rename(path, target / path.name)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    return fetch_archive(name, spec["url"], spec["md5"], spec["folder"], resolve_data_dir(data_dir),
+                         timeout=timeout)
 
 
 def load_digits(shape: tuple[int, int, int] = (3, 32, 32), *,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from freqact import data
+from freqact import data, download
 
 
 def _write_batch(path, images: np.ndarray, labels, label_key=b"labels", protocol=2) -> None:
@@ -145,7 +145,7 @@ def _archive(tmp_path) -> bytes:
 
 def test_download_checks_md5_then_unpacks(tmp_path, monkeypatch):
     blob = _archive(tmp_path)
-    monkeypatch.setattr(data.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(blob))
+    monkeypatch.setattr(download.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(blob))
     with pytest.raises(FileNotFoundError, match="md5"):
         data.load("cifar10", tmp_path / "d1", download=True)
     assert not (tmp_path / "d1" / "cifar-10-batches-py").exists()
@@ -160,7 +160,7 @@ def test_download_offline_fails_at_once(tmp_path, monkeypatch):
     def offline(url, timeout):
         raise urllib.error.URLError("no network")
 
-    monkeypatch.setattr(data.urllib.request, "urlopen", offline)
+    monkeypatch.setattr(download.urllib.request, "urlopen", offline)
     with pytest.raises(FileNotFoundError, match="could not download") as err:
         data.load("cifar10", tmp_path, download=True)
     assert str(tmp_path) in str(err.value)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from freqact import checkpoint, data, sweep, train
+from freqact import checkpoint, data, download, sweep, train
 from tests.robustness.helpers import run_cli
 
 
@@ -192,7 +192,7 @@ def _serve(monkeypatch, blob: bytes) -> None:
     import hashlib
     import io
 
-    monkeypatch.setattr(data.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(blob))
+    monkeypatch.setattr(download.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(blob))
     monkeypatch.setitem(data._CIFAR, "cifar10",
                         {**data._CIFAR["cifar10"], "md5": hashlib.md5(blob).hexdigest()})
 
