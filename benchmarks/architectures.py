@@ -40,8 +40,7 @@ import torch
 if not __package__:  # run as a file (python benchmarks/X.py): make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.codec_bench import _release_free_heap, _resident_bytes
-from benchmarks.common import RESULTS_DIR, print_table, write_results
+from benchmarks.common import RESULTS_DIR, print_table, release_free_heap, resident_bytes, write_results
 from freqact import data, models, train
 from freqact.engine import compress
 
@@ -135,10 +134,10 @@ def measure_memory(case: Case, mode: str) -> dict:
     loss.backward()
     del loss
     model.zero_grad(set_to_none=False)
-    _release_free_heap()
-    before = _resident_bytes()
+    release_free_heap()
+    before = resident_bytes()
     loss, meter = _loss(model, x, y, mode)
-    held = _resident_bytes() - before
+    held = resident_bytes() - before
     loss.backward()
     del loss
     if meter is None:  # plain PyTorch's bytes for the same forward, as the meter counts them

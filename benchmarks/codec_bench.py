@@ -24,9 +24,6 @@ Prints a table and writes benchmarks/results/codec-<device>.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import gc
 import json
 import os
 import statistics
@@ -41,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 if not __package__:  # run as a file (python benchmarks/X.py): make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import median_time, print_table, write_results
+from benchmarks.common import median_time, print_table, release_free_heap, resident_bytes, write_results
 from freqact import codecs, models
 from freqact.engine import compress
 
@@ -70,29 +67,11 @@ def training_loss(model, x, y, mode: str):
     return F.cross_entropy(_forward(model, x, mode), y), None
 
 
-def _resident_bytes() -> int:
-    """The process's resident set in bytes, from /proc/self/smaps_rollup (a walk of the page
-    tables, rather than statm's running counters)."""
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Rss:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/smaps_rollup has no Rss line")
-
-
 def _held_bytes(device: str) -> int:
     if device == "cuda":
         torch.cuda.synchronize()
         return torch.cuda.memory_allocated()
-    return _resident_bytes()
-
-
-def _release_free_heap() -> None:
-    """Hand memory the allocator holds free back to the system (glibc's malloc_trim), so that a
-    later allocation cannot reuse it without growing the resident set. No-op without glibc."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return resident_bytes()
 
 
 def measure_memory(name: str, batch: int, shape: tuple, mode: str, device: str) -> dict:
@@ -109,7 +88,7 @@ def measure_memory(name: str, batch: int, shape: tuple, mode: str, device: str) 
     del loss
     model.zero_grad(set_to_none=False)
     if device == "cpu":
-        _release_free_heap()
+        release_free_heap()
     before = _held_bytes(device)
     loss, meter = training_loss(model, x, y, mode)
     held = _held_bytes(device) - before

@@ -13,7 +13,10 @@ that ``benchmarks`` and ``freqact`` both import.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
+import gc
 import json
 import os
 import platform
@@ -125,3 +128,21 @@ def write_results(
     document = {"benchmark": name, "machine": machine_info(device), **payload}
     path.write_text(json.dumps(document, indent=2) + "\n")
     return path
+
+
+def resident_bytes() -> int:
+    """The process's resident set in bytes, from /proc/self/smaps_rollup (a walk of the page
+    tables, rather than statm's running counters)."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Rss:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/smaps_rollup has no Rss line")
+
+
+def release_free_heap() -> None:
+    """Hand memory the allocator holds free back to the system (glibc's malloc_trim), so that a
+    later allocation cannot reuse it without growing the resident set. No-op without glibc."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -32,8 +32,7 @@ import torch.nn.functional as F
 if not __package__:  # run as a file (python benchmarks/X.py): make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.codec_bench import _release_free_heap, _resident_bytes
-from benchmarks.common import median_time, print_table, write_results
+from benchmarks.common import median_time, print_table, release_free_heap, resident_bytes, write_results
 from freqact import models
 from freqact.engine import compress
 
@@ -65,10 +64,10 @@ def measure_memory(name: str, batch: int, mode: str) -> dict:
     model, compiled, x, y = _setup(name, batch)
     _loss(model, compiled, x, y, mode).backward()
     model.zero_grad(set_to_none=False)
-    _release_free_heap()
-    before = _resident_bytes()
+    release_free_heap()
+    before = resident_bytes()
     loss = _loss(model, compiled, x, y, mode)
-    held = _resident_bytes() - before
+    held = resident_bytes() - before
     loss.backward()
     return {"model": name, "batch": batch, "mode": mode, "held_bytes": held}
 
