@@ -20,6 +20,14 @@ Prints a table and writes benchmarks/results/codec-<device>.json.
 
     python -m benchmarks.codec_bench                 # CPU
     python -m benchmarks.codec_bench --device cuda
+
+`--spectral` instead times the paper's spectral caches in training (issue 16): the step time
+(forward, backward, SGD step) of CIFAR ResNet-20, batch 128, normal vs `lfc` vs `hfc` (W/N 0.2,
+the official window rule, as in the lfc-hfc-cpu study), the modes interleaved round by round and
+the minimum over rounds kept (goal: lfc and hfc <= 1.3x normal). Writes
+benchmarks/results/codec-spectral-<device>[-<N>thread].json.
+
+    python -m benchmarks.codec_bench --spectral --threads 2
 """
 from __future__ import annotations
 
@@ -47,6 +55,9 @@ CODEC_SHAPE = (128, 64, 32, 32)
 MEMORY_CASES = (("resnet18", 64, (3, 32, 32)), ("resnet50", 4, (3, 224, 224)))
 MODES = ("normal", "division", "checkpoint")
 DIVISION = {"block": 8, "bits": 2}
+SPECTRAL_MODES = ("normal", "lfc", "hfc")
+SPECTRAL = {"ratio": 0.2, "window_rule": "official"}
+SPECTRAL_CASE = ("resnet20", 128, (3, 32, 32))
 
 
 def _forward(model, x: torch.Tensor, mode: str) -> torch.Tensor:
@@ -153,10 +164,61 @@ def step_times(device: str, repeats: int) -> dict:
     return {mode: statistics.median(seconds) for mode, seconds in times.items()}
 
 
+def spectral_step_times(device: str, rounds: int, batch: int = SPECTRAL_CASE[1]) -> dict:
+    """Minimum training-step time per mode of SPECTRAL_MODES, CIFAR ResNet-20.
+
+    The modes take turns (one step each per round, `rounds` rounds after a warm-up round); the
+    minimum over rounds is the least disturbed figure on a shared machine.
+    """
+    torch.manual_seed(0)
+    name, _, shape = SPECTRAL_CASE
+    model = models.get(name, num_classes=10).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(batch, *shape, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+
+    def step(mode):
+        optimizer.zero_grad(set_to_none=True)
+        if mode == "normal":
+            loss = F.cross_entropy(model(x), y)
+        else:
+            with compress(model, mode, **SPECTRAL):
+                loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+
+    times = {mode: [] for mode in SPECTRAL_MODES}
+    for round_ in range(rounds + 1):
+        for mode in SPECTRAL_MODES:
+            seconds = median_time(lambda mode=mode: step(mode), warmup=0, repeats=1, device=device)
+            if round_:  # round 0 warms up every mode
+                times[mode].append(seconds)
+    return {mode: min(seconds) for mode, seconds in times.items()}
+
+
+def _spectral_main(device: str, rounds: int, threads: int | None, out: str | None) -> int:
+    steps = spectral_step_times(device, rounds)
+    name, batch, _ = SPECTRAL_CASE
+    print_table([f"{name} b{batch} step", "min s", "vs normal"],
+                [[mode, seconds, seconds / steps["normal"]] for mode, seconds in steps.items()])
+    payload = {"settings": {"model": name, "batch": batch, "rounds": rounds, **SPECTRAL},
+               "step_seconds": steps,
+               "step_vs_normal": {m: s / steps["normal"] for m, s in steps.items()}}
+    path = write_results(f"codec-spectral-{device}" + (f"-{threads}thread" if threads else ""),
+                         payload, device=device, directory=None if out is None else Path(out))
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per median")
+    parser.add_argument("--spectral", action="store_true",
+                        help="only the lfc/hfc training-step times (ResNet-20, batch 128)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--out", default=None,
+                        help="folder of the --spectral JSON results (default benchmarks/results)")
     parser.add_argument("--memory-case", nargs=3, metavar=("MODEL", "BATCH", "MODE"),
                         help=argparse.SUPPRESS)  # internal: one memory case, JSON on stdout
     args = parser.parse_args(argv)
@@ -164,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cuda: no CUDA device available")
     if args.repeats < 1:
         parser.error(f"--repeats: expected an integer >= 1, got {args.repeats}")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads: expected an integer >= 1, got {args.threads}")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.spectral:
+        return _spectral_main(args.device, args.repeats, args.threads, args.out)
     if args.memory_case:
         name, batch, mode = args.memory_case
         shape = dict((n, s) for n, _, s in MEMORY_CASES)[name]

@@ -12,7 +12,7 @@ import pytest
 import scipy.fft
 import torch
 
-from freqact import codecs, kernels
+from freqact import codecs, dct, kernels
 from freqact.kernels import format
 
 # The torch reference through the validating dispatch (the specification).
@@ -398,7 +398,9 @@ def test_spectral_codecs_match_scipy(shape, ratio):
     keep = np.zeros(m.shape[2:], dtype=bool)
     keep[tuple(slice(0, w) for w in windows)] = True
     low = scipy.fft.idctn(X * keep, type=2, norm="ortho", axes=axes).reshape(shape)
-    for name, expected, kept in [("lfc", low, keep.sum()), ("hfc", x.numpy() - low, (~keep).sum())]:
+    # hfc holds the high-pass part in the spatial domain: every element, or nothing at ratio 1.
+    held_hfc = 0 if keep.all() else keep.size
+    for name, expected, kept in [("lfc", low, keep.sum()), ("hfc", x.numpy() - low, held_hfc)]:
         packed = codecs.get(name, ratio=ratio).encode(x)
         np.testing.assert_allclose(
             codecs.get(name, ratio=ratio).decode(packed).numpy(), expected, atol=1e-10
@@ -410,6 +412,21 @@ def test_spectral_half_precision_stores_its_own_dtype():
     x = torch.randn(2, 3, 8, 8).to(torch.bfloat16)
     packed = codecs.get("lfc", ratio=0.5).encode(x)
     assert packed.nbytes == 2 * 3 * 16 * 2 and all(p.dtype == torch.bfloat16 for p in packed.pieces)
+    packed = codecs.get("hfc", ratio=0.5).encode(x)
+    assert packed.nbytes == 2 * 3 * 64 * 2 and all(p.dtype == torch.bfloat16 for p in packed.pieces)
+    # Its high-pass part is formed in float32 and rounded once: as close as rounding x allows.
+    wide = x.float()
+    want = wide - dct.idct(dct.dct(wide) * dct.lowpass_mask((8, 8), 0.5), dims=2)
+    torch.testing.assert_close(codecs.get("hfc", ratio=0.5).decode(packed), want.bfloat16())
+
+
+def test_hfc_holds_nothing_without_a_high_band():
+    x = torch.randn(2, 3, 5, 4, dtype=torch.float64)
+    codec = codecs.get("hfc", ratio=1.0)
+    packed = codec.encode(x)
+    assert packed.nbytes == 0
+    y = codec.decode(packed)
+    assert torch.equal(y, torch.zeros_like(x)) and y.dtype == x.dtype
 
 
 # --- errors --------------------------------------------------------------------------------------

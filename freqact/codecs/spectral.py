@@ -2,26 +2,34 @@
 
 x is read as maps (N, C, *S) by the same rule as the DIVISION codecs (`format.as_maps`): 1D maps
 for (N, F) (one per sample) and rank-3 tensors, 2D for rank 4, 3D for rank 5. Each map's
-orthonormal DCT X is taken over its spatial dims, and the cache holds only the coefficients that
-`freqact.dct.lowpass_mask(S, ratio, rule=window_rule)` keeps (`lfc`: the top-left W_1 x ... x W_d
-corner) or drops (`hfc`: the complement, stored as d disjoint boxes). Decode puts them back in a
-zero spectrum and applies the inverse DCT, so decode(encode(x)) is the exact low-pass / high-pass
-part of x. `hfc-quant` instead stores that high-pass part in the spatial domain, Q-bit quantised
-per map with DIVISION's unbiased quantiser (the official code's `rm_lfc` HFC-ACT path).
+orthonormal DCT X is taken over its spatial dims, and `freqact.dct.lowpass_mask(S, ratio,
+rule=window_rule)` splits it into the top-left W_1 x ... x W_d corner (low band) and the rest.
+`lfc` holds the corner's coefficients; decode puts them back in a zero spectrum and applies the
+inverse DCT (synthesised from the corner alone), so decode(encode(x)) is the exact low-pass part of
+x. `hfc` holds the high-pass part in the spatial domain, x - iDCT(corner of DCT(x)), which needs
+only the two corner transforms (not a full DCT at encode and a full inverse at decode); decode
+returns it as stored: the exact high-pass part up to float rounding. `hfc-quant` instead stores
+that high-pass part Q-bit quantised per map with DIVISION's unbiased quantiser (the official
+code's `rm_lfc` HFC-ACT path).
 
 Only tensors with a spatial or sequence axis have frequencies: `accepts(x)` is False for rank-2
 (N, F) inputs (a Linear layer on features; the official code never converts the classifier), and
 `freqact.compress` keeps what a codec declines exactly. `encode` itself still takes (N, F) as one
 1D map per sample, for direct use.
 
-Coefficients are stored in x's dtype: the cache costs x's bytes times the kept fraction, which is
-the paper's accounting. For float16/bfloat16 the transform runs in float32 and only the stored
-coefficients are rounded, which loses no more than rounding x itself would.
+Storage is in x's dtype. `lfc` costs x's bytes times the kept fraction of coefficients, the
+paper's accounting. `hfc` costs x's bytes (P values per map of P elements, not the P - W_1...W_d
+dropped coefficients the paper counts: W_1...W_d / P more, e.g. 49/1024 = 4.8 % at 32 x 32 with
+W = 7), traded for two corner transforms instead of two full ones; when the window covers every
+coefficient (ratio 1) the high-pass part is zero and nothing is stored. For float16/bfloat16 the
+transforms run in float32 and only what is stored is rounded, which loses no more than rounding x
+itself would.
 
 Edge rule (finite in, finite out): when a finite x's coefficients would overflow (|X| can reach
-sqrt(P) max|x|), x is scaled by 2**-k first (2**k >= 2 sqrt(P), exact for normal values) and k is
-stored (`scale_exp`, 0 for ordinary inputs, whose bytes are unchanged); decode multiplies back
-and saturates finite values at the dtype's largest finite value (`kernels.format.saturating_cast`).
+sqrt(P) max|x|), x is scaled by 2**-k first (2**k >= 2 sqrt(P), exact for normal values); `lfc`
+stores k (`scale_exp`, 0 for ordinary inputs, whose bytes are unchanged) and decode multiplies
+back, `hfc`/`hfc-quant` multiply back at encode; finite values saturate at the dtype's largest
+finite value (`kernels.format.saturating_cast`).
 """
 
 from __future__ import annotations
@@ -39,14 +47,17 @@ from freqact.kernels.format import QuantPacked, as_maps, saturating_cast
 
 @dataclass(frozen=True)
 class SpectralPacked:
-    """Kept DCT coefficients of every map.
+    """What `lfc` or `hfc` holds of every map (module docstring).
 
     Attributes:
-        pieces: coefficient boxes in x's dtype, each (N, C, *box); see `_boxes`.
+        pieces: one tensor in x's dtype. `lfc`: the corner coefficients (N, C, *W). `hfc`: the
+            high-pass part in the spatial domain, x's shape, or an empty tensor (0,) when that
+            part is zero (the window covers every coefficient).
         shape: the shape of the encoded tensor.
         windows: kept low frequencies W_d per spatial dim.
-        high: False for `lfc` (one corner box), True for `hfc` (its complement).
-        scale_exp: k when the coefficients are those of x * 2**-k (the edge rule), else 0.
+        high: False for `lfc`, True for `hfc`.
+        scale_exp: k when the coefficients are those of x * 2**-k (the edge rule), else 0
+            (always 0 for `hfc`, whose high-pass part is scaled back at encode).
     """
 
     pieces: tuple[torch.Tensor, ...]
@@ -58,24 +69,6 @@ class SpectralPacked:
     @property
     def nbytes(self) -> int:
         return sum(tensor_nbytes(p) for p in self.pieces)
-
-
-def _boxes(windows: tuple[int, ...], high: bool) -> list[tuple[slice, ...]]:
-    """Index boxes over the spatial dims that tile the kept coefficients without overlap.
-
-    Low-pass: the corner [:W_1, ..., :W_d]. High-pass: box k is [:W_1, ..., :W_{k-1}, W_k:, :, ...],
-    i.e. the coefficients whose first index at or above its window is in dim k; in 2D these are
-    X[W_1:, :] and X[:W_1, W_2:]. A box is empty when W_k covers its whole dim.
-    """
-    if not high:
-        return [tuple(slice(0, w) for w in windows)]
-    d = len(windows)
-    return [
-        tuple(slice(0, w) for w in windows[:k])
-        + (slice(windows[k], None),)
-        + (slice(None),) * (d - k - 1)
-        for k in range(d)
-    ]
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -108,6 +101,21 @@ def _unscaled(x: torch.Tensor, scale_exp: int) -> torch.Tensor:
     return torch.where(x.isfinite(), (x * 2.0**scale_exp).clamp(-top, top), x)
 
 
+def _highpass(x: torch.Tensor, windows: tuple[int, ...]) -> torch.Tensor:
+    """x - iDCT(the corner `windows` of DCT(x)) per map: the high-pass part, x's shape and dtype.
+
+    Formed from the corner transforms alone, under the edge rule (`_scaled`), in float32 for half
+    precision; finite values saturate in x's dtype.
+    """
+    maps = as_maps(x)
+    maps = maps.to(_wide(maps.dtype))
+    low, scale_exp = _scaled(lambda m: dct.lowpass_coefficients(m, windows), maps)
+    scaled = maps * 2.0**-scale_exp if scale_exp else maps
+    synthesis = dct.lowpass_synthesis(low, maps.shape[2:])
+    high = torch.sub(scaled, synthesis, out=synthesis)  # in place: no third map-sized buffer
+    return saturating_cast(_unscaled(high, scale_exp), x.dtype).reshape(x.shape)
+
+
 class _Spectral(Codec):
     """Shared settings, encode and decode of `lfc` and `hfc`; subclasses set `_high`."""
 
@@ -126,31 +134,27 @@ class _Spectral(Codec):
     def encode(self, x: torch.Tensor) -> SpectralPacked:
         _validate.floating_tensor("x", x)
         with torch.no_grad():
-            maps = as_maps(x)
             windows = self.windows(x.shape)
-            if not self._high:  # the corner alone, without the full spectrum
-                low, scale_exp = _scaled(lambda m: dct.lowpass_coefficients(m, windows), maps)
-                return SpectralPacked((low,), x.shape, windows, False, scale_exp)
-            coeffs, scale_exp = _scaled(lambda m: dct.dct(m, dims=len(windows)), maps)  # x's dtype
-            # contiguous() copies each box out, so the full spectrum is not kept alive.
-            pieces = tuple(coeffs[(...,) + box].contiguous() for box in _boxes(windows, True))
-        return SpectralPacked(pieces, x.shape, windows, True, scale_exp)
+            if self._high:
+                spatial = as_maps(torch.empty(x.shape, device="meta")).shape[2:]
+                # No high band (ratio 1): an empty tensor holds only the dtype and device.
+                high = x.new_zeros(0) if windows == tuple(spatial) else _highpass(x, windows)
+                return SpectralPacked((high,), x.shape, windows, True)
+            # The corner alone, without the full spectrum.
+            low, scale_exp = _scaled(lambda m: dct.lowpass_coefficients(m, windows), as_maps(x))
+            return SpectralPacked((low,), x.shape, windows, False, scale_exp)
 
     def decode(self, packed: SpectralPacked) -> torch.Tensor:
-        """Inverse DCT of the kept coefficients (zeros elsewhere); shape and dtype of x."""
-        first = packed.pieces[0]
+        """The low-pass (`lfc`) or high-pass (`hfc`) part of x; shape and dtype of x."""
+        if packed.high:
+            high = packed.pieces[0]
+            return high if high.shape == packed.shape else high.new_zeros(packed.shape)
+        low = packed.pieces[0]
         maps_shape = as_maps(torch.empty(packed.shape, device="meta")).shape
-        # Half-precision coefficients are transformed in float32 either way (`freqact.dct`).
-        wide = _wide(first.dtype)
         with torch.no_grad():
-            if not packed.high:
-                x_hat = dct.lowpass_synthesis(first.to(wide), maps_shape[2:])
-            else:
-                coeffs = torch.zeros(maps_shape, dtype=wide, device=first.device)
-                for box, piece in zip(_boxes(packed.windows, packed.high), packed.pieces):
-                    coeffs[(...,) + box] = piece
-                x_hat = dct.idct(coeffs, dims=len(packed.windows))
-            return saturating_cast(_unscaled(x_hat, packed.scale_exp), first.dtype).reshape(packed.shape)
+            # Half-precision coefficients are transformed in float32 either way (`freqact.dct`).
+            x_hat = dct.lowpass_synthesis(low.to(_wide(low.dtype)), maps_shape[2:])
+            return saturating_cast(_unscaled(x_hat, packed.scale_exp), low.dtype).reshape(packed.shape)
 
 
 @register("lfc")
@@ -198,12 +202,7 @@ class QuantizedHighFrequency(_Spectral):
     def encode(self, x: torch.Tensor) -> QuantPacked:
         _validate.floating_tensor("x", x)
         with torch.no_grad():
-            maps = as_maps(x)
-            maps = maps.to(_wide(maps.dtype))
-            windows = self.windows(x.shape)
-            low, scale_exp = _scaled(lambda m: dct.lowpass_coefficients(m, windows), maps)
-            high = maps * 2.0**-scale_exp - dct.lowpass_synthesis(low, maps.shape[2:])
-            high = saturating_cast(_unscaled(high, scale_exp), x.dtype).reshape(x.shape)
+            high = _highpass(x, self.windows(x.shape))
             return kernels.quantize_encode(high, self.bits, backend=self._kernels)
 
     def decode(self, packed: QuantPacked) -> torch.Tensor:
