@@ -164,14 +164,16 @@ def step_times(device: str, repeats: int) -> dict:
     return {mode: statistics.median(seconds) for mode, seconds in times.items()}
 
 
-def spectral_step_times(device: str, rounds: int, batch: int = SPECTRAL_CASE[1]) -> dict:
-    """Minimum training-step time per mode of SPECTRAL_MODES, CIFAR ResNet-20.
+def spectral_step_times(device: str, rounds: int, batch: int | None = None) -> dict:
+    """Minimum training-step time per mode of SPECTRAL_MODES, on SPECTRAL_CASE (CIFAR ResNet-20).
 
     The modes take turns (one step each per round, `rounds` rounds after a warm-up round); the
-    minimum over rounds is the least disturbed figure on a shared machine.
+    minimum over rounds is the least disturbed figure on a shared machine. `batch` defaults to
+    SPECTRAL_CASE's (128).
     """
     torch.manual_seed(0)
-    name, _, shape = SPECTRAL_CASE
+    name, case_batch, shape = SPECTRAL_CASE
+    batch = case_batch if batch is None else batch
     model = models.get(name, num_classes=10).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(batch, *shape, device=device)
@@ -210,10 +212,29 @@ def _spectral_main(device: str, rounds: int, threads: int | None, out: str | Non
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def memory_rows(device: str) -> list[dict]:
+    """`measure_memory` of every MEMORY_CASES model and mode (CPU: each in a fresh process), with
+    its ratio to normal and the meter's to the held bytes."""
+    memory = []
+    for name, batch, shape in MEMORY_CASES:
+        for mode in MODES:
+            if device == "cuda":  # memory_allocated needs no fresh process
+                memory.append(measure_memory(name, batch, shape, mode, device))
+            else:
+                memory.append(_memory_in_fresh_process(name, batch, mode, device))
+    normal = {r["model"]: r["held_bytes"] for r in memory if r["mode"] == "normal"}
+    for r in memory:
+        r["less_than_normal"] = normal[r["model"]] / r["held_bytes"]
+        r["meter_vs_held"] = r["meter_bytes"] / r["held_bytes"]
+    return memory
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
+    """The parsed and checked command line (argparse exits with code 2 on bad values)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls per median")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed calls per median (--spectral: rounds)")
     parser.add_argument("--spectral", action="store_true",
                         help="only the lfc/hfc training-step times (ResNet-20, batch 128)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
@@ -224,10 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device available")
-    if args.repeats < 1:
-        parser.error(f"--repeats: expected an integer >= 1, got {args.repeats}")
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads: expected an integer >= 1, got {args.threads}")
+    for name in ("repeats", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name}: expected an integer >= 1, got {value}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _arguments(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.spectral:
@@ -246,17 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                   speed["ratio"]]])
     print()
 
-    memory = []
-    for name, batch, shape in MEMORY_CASES:
-        for mode in MODES:
-            if args.device == "cuda":  # memory_allocated needs no fresh process
-                memory.append(measure_memory(name, batch, shape, mode, args.device))
-            else:
-                memory.append(_memory_in_fresh_process(name, batch, mode, args.device))
-    normal = {r["model"]: r["held_bytes"] for r in memory if r["mode"] == "normal"}
-    for r in memory:
-        r["less_than_normal"] = normal[r["model"]] / r["held_bytes"]
-        r["meter_vs_held"] = r["meter_bytes"] / r["held_bytes"]
+    memory = memory_rows(args.device)
     held_by = "resident-set growth" if args.device == "cpu" else "memory_allocated"
     print_table(["model", "batch", "mode", f"held MB ({held_by})", "meter MB", "meter/held",
                  "x less than normal"],

@@ -4,6 +4,8 @@ Small sizes, no timing asserted (speed goals are met in the benchmark itself, no
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks import codec_bench
@@ -28,3 +30,18 @@ def test_codec_speed_reports_the_ratio_of_the_format():
     assert speed["encode_ms"] > 0 and speed["decode_ms"] > 0 and speed["clone_ms"] > 0
     # 32x32 maps, B = 8, Q = 2: 4096 bytes of float32 become 256 + 32 + 4 per map.
     assert speed["ratio"] == pytest.approx(4096 / 292)
+
+
+def test_spectral_step_times_cover_every_mode():
+    steps = codec_bench.spectral_step_times("cpu", rounds=1, batch=2)
+    assert set(steps) == set(codec_bench.SPECTRAL_MODES) == {"normal", "lfc", "hfc"}
+    assert all(seconds > 0 for seconds in steps.values())
+
+
+def test_spectral_mode_writes_its_table_and_json(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(codec_bench, "SPECTRAL_CASE", ("resnet20", 2, (3, 8, 8)))
+    assert codec_bench.main(["--spectral", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    document = json.loads((tmp_path / "codec-spectral-cpu.json").read_text())
+    assert document["settings"]["batch"] == 2 and document["step_vs_normal"]["normal"] == 1.0
+    assert set(document["step_seconds"]) == {"normal", "lfc", "hfc"}
+    assert "vs normal" in capsys.readouterr().out
