@@ -438,6 +438,22 @@ def test_fast_dct_matches_scipy_and_the_matmul_reference(monkeypatch, h, w):
 
 
 @needs_c
+@pytest.mark.parametrize("h", [2, 5, 32])
+@pytest.mark.parametrize("w", [2, 16, 32, 64, 65, 130])
+def test_fast_dct_row_lengths_on_both_sides_of_the_plain_product(monkeypatch, h, w):
+    # Rows of up to 64 take the plain n x n product in C, longer ones the even/odd split; h = 5
+    # leaves rows outside the groups of 4, h = 2 and w = 2 the smallest split.
+    x = randn(2, 3, h, w, dtype=torch.float32, seed=h * 1000 + w)
+    x64 = x.double().numpy()
+    for dims, axes in ((2, (-2, -1)), (1, (-1,))):
+        for fn, oracle in ((F.dct, scipy.fft.dctn), (F.idct, scipy.fft.idctn)):
+            got = fn(x, dims)
+            assert rel_error(got, oracle(x64, type=2, norm="ortho", axes=axes)) <= 2e-6
+            torch.testing.assert_close(got, reference(monkeypatch, fn, x, dims), atol=3e-6, rtol=0)
+    torch.testing.assert_close(F.idct(F.dct(x)), x, atol=3e-6, rtol=0)
+
+
+@needs_c
 @pytest.mark.parametrize("h,w", [(1, 1), (7, 33), (8, 8), (33, 7), (32, 32)])
 def test_fast_lowpass_pieces_and_band_energy_match_the_reference(monkeypatch, h, w):
     x = randn(2, 3, h, w, dtype=torch.float32, seed=h + w)
