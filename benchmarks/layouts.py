@@ -55,7 +55,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from benchmarks.common import RESULTS_DIR, print_table, write_results
-from freqact import data, kernels, models, text
+from freqact import codecs, data, kernels, models, text
+from freqact.engine.layouts import TokenLayout
 
 BLOCK, BITS = 8, 2
 ROUTES = ("linear_in", "act_in", "norm_in", "sdpa_qkvo", "sdpa_qk", "sdpa_vo", "attn_probs")
@@ -68,6 +69,11 @@ LAYOUTS = {
     "row/tok": ("R", "token"), "row/chan": ("R", "channel"),
     "grid/tok": ("G", "token"), "grid/chan": ("G", "channel"),
 }
+# Layouts with 64-element blocks, run by the engine's own codec (`engine.layouts.TokenLayout`):
+# `tile` 8 tokens x 8 features, `tok64` 64 tokens of one feature, `grid64` 8 x 8 patches of the
+# patch grid per feature (class token its own map).
+BLOCK64 = tuple(f"{b}/{s}" for b in ("tile", "tok64", "grid64") for s in ("tok", "chan"))
+GRID_ONLY = ("R", "G", "grid64")  # need a patch grid: the ViT only
 TILE = (2, 4)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,6 +130,17 @@ def roundtrip(v: torch.Tensor, layout: str, gen: torch.Generator) -> tuple[torch
     if perm is not None:
         v_hat = v_hat[:, torch.argsort(perm)]
     return v_hat.contiguous().to(v.dtype), 2 * lfc.lfc.numel() + quant.nbytes
+
+
+def engine_roundtrip(v: torch.Tensor, layout: str, gen: torch.Generator
+                     ) -> tuple[torch.Tensor, int]:
+    """The engine's `TokenLayout` round trip of v (M, T, F) (kernels.reference, noise from gen)."""
+    blocks, stats = layout.split("/")
+    codec = TokenLayout(codecs.get("division", block=BLOCK, bits=BITS, backend="torch"),
+                        blocks, stats)
+    torch.manual_seed(int(torch.randint(2**62, (), generator=gen)))  # the reference's noise
+    packed = codec.encode(v)
+    return codec.decode(packed), packed.nbytes
 
 
 def as_saved_roundtrip(t: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, int]:
@@ -245,6 +262,9 @@ class SavedTensorReplacer:
             if route == self.route or route in ROUTE_PARTS.get(self.route, ()):
                 if self.layout == "as-saved":
                     out, nbytes = as_saved_roundtrip(t, self.gen)
+                elif self.layout in BLOCK64:
+                    v_hat, nbytes = engine_roundtrip(view, self.layout, self.gen)
+                    out = back(v_hat)
                 else:
                     v_hat, nbytes = roundtrip(view, self.layout, self.gen)
                     out = back(v_hat)
@@ -297,11 +317,11 @@ def compare(g: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
 
 
 def measure_routes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, layouts: list[str],
-                   seeds: tuple[int, ...]) -> dict:
+                   seeds: tuple[int, ...], routes: tuple[str, ...] = ROUTES) -> dict:
     """Per route and layout: bytes/element, relative error and cosine (mean, per seed)."""
     model.eval()  # no dropout here; eval only makes the runs repeatable
     results = {}
-    for route in ROUTES:
+    for route in routes:
         math_attention = route == "attn_probs"
         exact, counts = gradients(model, x, y, math_attention=math_attention)
         again, _ = gradients(model, x, y, math_attention=math_attention)
@@ -401,22 +421,37 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("FREQACT_DATA") or REPO_ROOT.parent / "shared" / "data")
 
 
-def run(quick: bool, data_dir: Path) -> dict:
-    """Train both models, measure every route and layout; return the JSON payload."""
-    cfg = QUICK if quick else FULL
+def layouts_for(name: str, chosen: list[str] | None) -> list[str]:
+    """The layouts measured on model `name` (the ViT has a patch grid, the GPT none)."""
+    every = [*LAYOUTS, *BLOCK64, "as-saved"]
+    grid = {k for k in every if k in BLOCK64 and k.startswith("grid64")} | {
+        k for k, (axis, _) in LAYOUTS.items() if axis in GRID_ONLY}
+    return [k for k in (chosen or every) if name == "vit" or k not in grid]
+
+
+def run(quick: bool, data_dir: Path, chosen: list[str] | None = None,
+        steps: int | None = None, names: tuple[str, ...] = ("vit", "gpt"),
+        routes: tuple[str, ...] = ROUTES) -> dict:
+    """Train the models, measure every route and layout (or those chosen); return the payload.
+
+    Args:
+        chosen: the layouts to measure (None: all); names: the models; routes: the routes.
+        steps: training steps per model instead of the configuration's (a shorter study).
+    """
+    cfg = dict(QUICK if quick else FULL)
+    if steps is not None:
+        cfg["steps"] = steps
     payload = {"block": BLOCK, "bits": BITS, "quick": quick,
                "config": {k: v for k, v in cfg.items() if k != "seeds"},
                "seeds": list(cfg["seeds"]), "models": {}}
-    token_layouts = [k for k, (axis, _) in LAYOUTS.items() if axis in ("F", "T")]
-    for name in ("vit", "gpt"):
+    for name in names:
         start = time.perf_counter()
         model, x, y, facts = vit_case(cfg, data_dir) if name == "vit" else gpt_case(cfg)
         print(f"{name}: trained in {time.perf_counter() - start:.0f} s: {facts}",
               file=sys.stderr, flush=True)
-        layouts = list(LAYOUTS) if name == "vit" else token_layouts
-        routes = measure_routes(model, x, y, [*layouts, "as-saved"], cfg["seeds"])
+        measured = measure_routes(model, x, y, layouts_for(name, chosen), cfg["seeds"], routes)
         payload["models"][name] = {"settings": cfg[name], "training": facts,
-                                   "batch_shape": list(x.shape), "routes": routes,
+                                   "batch_shape": list(x.shape), "routes": measured,
                                    "seconds": time.perf_counter() - start}
     return payload
 
@@ -445,13 +480,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON folder (default benchmarks/results; --quick writes nothing "
                              "unless given)")
+    parser.add_argument("--layouts", nargs="+", default=None, metavar="LAYOUT",
+                        choices=[*LAYOUTS, *BLOCK64, "as-saved"],
+                        help="measure only these layouts (default: all)")
+    parser.add_argument("--models", nargs="+", default=["vit", "gpt"], choices=["vit", "gpt"],
+                        help="models to train and measure (default both)")
+    parser.add_argument("--routes", nargs="+", default=list(ROUTES), choices=ROUTES,
+                        help="routes to measure (default all)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="training steps per model (default 250; --quick 3)")
     args = parser.parse_args(argv)
     data_dir = args.data_dir or default_data_dir()
     if not (data_dir / "cifar-10-batches-py" / "data_batch_1").is_file():
         print(f"error: --data-dir: no CIFAR-10 (cifar-10-batches-py) under {data_dir}",
               file=sys.stderr)
         return 2
-    payload = run(args.quick, data_dir)
+    payload = run(args.quick, data_dir, args.layouts, args.steps, tuple(args.models),
+                  tuple(args.routes))
     print_table(["model", "route", "layout", "bytes/elem", "rel. grad error", "cosine"],
                 table_rows(payload))
     if args.out is not None or not args.quick:

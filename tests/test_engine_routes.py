@@ -8,7 +8,7 @@ from torch import nn
 
 import freqact
 from freqact import codecs, kernels
-from freqact.engine.layouts import TokenChannels, packed_nbytes
+from freqact.engine.layouts import TokenChannels, TokenLayout, packed_nbytes
 from freqact.kernels import reference
 from freqact.kernels.format import geometry
 
@@ -30,9 +30,9 @@ def _routes(model, x, codec="division"):
 
 @pytest.mark.parametrize("module", [nn.GELU(), Fn(F.gelu), nn.SiLU(), Fn(F.silu), nn.Hardswish(),
                                     Fn(F.mish), Fn(F.elu), Fn(torch.sigmoid), Fn(torch.tanh)])
-def test_activation_inputs_of_token_tensors_go_feat_chan_as_module_and_function(module):
+def test_activation_inputs_of_token_tensors_go_grid64_chan_as_module_and_function(module):
     x = torch.randn(4, 64, 32, requires_grad=True)
-    assert set(_routes(module, x)) == {"division feat/chan"}
+    assert set(_routes(module, x)) == {"division grid64/chan"}
 
 
 def test_linear_on_a_transposed_token_view_is_compressed():
@@ -40,18 +40,18 @@ def test_linear_on_a_transposed_token_view_is_compressed():
     x = torch.randn(32, 16, 256).transpose(1, 2)  # the ViT patch-embedding idiom
     with freqact.compress(model, "division") as meter:
         model(x)
-    assert set(meter.by_route()) == {"division feat/chan"} and meter.ratio > 6
+    assert set(meter.by_route()) == {"division grid64/chan"} and meter.ratio > 10
 
 
-def test_functional_rmsnorm_and_layernorm_inputs_go_feat_tok():
+def test_functional_rmsnorm_and_layernorm_inputs_go_tile_tok():
     def rms(x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
     x = torch.randn(4, 64, 32, requires_grad=True)
     routes = _routes(Fn(rms), x)
-    assert routes["division feat/tok"]["count"] == 2  # pow and mul save x: packed once
-    assert routes["division feat/tok"]["saved_bytes"] < x.numel()  # one copy of x
+    assert routes["division tile/tok"]["count"] == 2  # pow and mul save x: packed once
+    assert routes["division tile/tok"]["saved_bytes"] < x.numel()  # one copy of x
     assert routes["kept"]["exact_bytes"] == 4 * 4 * 64  # rsqrt's (N, T, 1) statistic stays
-    assert set(_routes(Fn(lambda x: F.layer_norm(x, (32,))), x)) == {"division feat/tok", "kept"}
+    assert set(_routes(Fn(lambda x: F.layer_norm(x, (32,))), x)) == {"division tile/tok", "kept"}
 
 
 def test_sdpa_keeps_q_k_and_compresses_v_out_only_without_mask():
@@ -77,7 +77,8 @@ def test_multihead_attention_compresses_projections_and_probabilities():
     mha = nn.MultiheadAttention(32, 4, batch_first=True)
     x = torch.randn(4, 64, 32, requires_grad=True)
     routes = _routes(Fn(lambda x: mha(x, x, x)[0]), x)
-    assert routes["division feat/chan"]["count"] >= 3
+    assert routes["division grid64/chan"]["count"] >= 2  # the projections' inputs
+    assert routes["division feat/chan"]["count"] >= 1  # the probabilities
 
 
 @pytest.mark.parametrize("make", [
@@ -118,6 +119,28 @@ def test_feat_chan_bytes_equal_the_reference_on_the_two_views(backend):
     assert packed.nbytes == packed_nbytes(codec, tuple(x.shape))
     y = codec.decode(packed)
     assert y.shape == x.shape and (y - x).abs().max() < (x.amax() - x.amin())
+
+
+def test_channels_last_grids_and_windows_get_64_element_blocks():
+    # ConvNeXt's (N, H, W, C) Linear input: 8 x 8 patches per channel (the CNN map rule);
+    # Swin's 4 x 4 windows (N * nW, 16, C): four windows per per-channel statistics.
+    lin = nn.Linear(32, 32)
+    grid = torch.randn(2, 16, 16, 32, requires_grad=True)
+    codec = TokenLayout(codecs.get("division"), "grid64", "chan")
+    routes = _routes(lin, grid)
+    assert routes["division grid64/chan"]["saved_bytes"] == packed_nbytes(codec, (2, 16, 16, 32))
+    windows = torch.randn(64, 16, 32, requires_grad=True)
+    routes = _routes(lin, windows)
+    assert routes["division grid64/chan"]["saved_bytes"] == packed_nbytes(codec, (16, 64, 32))
+    assert windows.numel() * 4 / routes["division grid64/chan"]["saved_bytes"] > 10
+
+
+def test_layer_scale_on_a_channels_last_grid_reads_tokens():
+    lin = nn.Linear(32, 32)
+    scale = nn.Parameter(torch.ones(32))
+    model = Fn(lambda x: lin(x) * scale)
+    routes = _routes(model, torch.randn(2, 8, 8, 32, requires_grad=True))
+    assert "division tile/tok" in routes and "division" not in routes
 
 
 def test_eager_attention_probabilities_are_packed_once_through_matmul():

@@ -26,7 +26,7 @@ from freqact.codecs.cheap import (
     SignMask,
 )
 from freqact.codecs.division import Division
-from freqact.engine.layouts import TokenChannels, packed_nbytes, token_view
+from freqact.engine.layouts import TokenChannels, TokenLayout, packed_nbytes, token_view
 
 __all__ = ["DEFAULT_TYPES", "Kind", "Route", "Routes", "Saved", "Site", "choose", "kind_of",
            "route_for", "view_shape"]
@@ -89,8 +89,8 @@ class Route:
         codec: the codec that packs and unpacks the tensor.
         channels: encode a rank-2 (N, C) tensor transposed, as (C, N): one map per channel over
             the batch, the layout of BatchNorm's statistics.
-        layout: "" (the tensor as saved, read by the map rule), "feat/tok" or "feat/chan" (the
-            codec reads the tensor's (M, T, F) token view, `layouts`).
+        layout: "" (the tensor as saved, read by the map rule) or a `layouts` name ("feat/tok",
+            "feat/chan", "tile/tok", "grid64/chan": the codec reads the tensor's token view).
         heads: the token view of an attention tensor (N, heads, T, d) -> (N * heads, T, d);
             else a token grid (N, *grid, F) -> (N, prod(grid), F).
     """
@@ -138,26 +138,41 @@ class Routes:
     masks: bool
     relu: Route
     sign: Route
-    tokens: Route  # feat/tok on a token grid (norm inputs, products)
-    features: Route  # feat/chan on a token grid (Linear and activation inputs)
+    tokens: Route  # TOKEN_LAYOUT on a token grid (norm inputs, products)
+    features: Route  # FEATURE_LAYOUT on a token grid (Linear and activation inputs)
     attention: Route  # feat/chan on (N * heads, T, d) (SDPA v/out, probabilities)
 
     @classmethod
     def for_codec(cls, codec: Codec) -> Routes:
         masks = not isinstance(codec, Exact)
-        # feat/chan needs the full division form; other codecs read the feat/tok view instead
+        # The token layouts need the full division form; other codecs read the feat/tok view
         chan, layout = (TokenChannels(codec), "feat/chan") if type(codec) is Division else (
             codec, "feat/tok")
+        tokens, features = (_layout_route(name, codec, *blocks) for name, blocks in (
+            ("tokens", TOKEN_LAYOUT), ("features", FEATURE_LAYOUT)))
         return cls(
             codec=Route("codec", codec),
             channels=Route("codec", codec, channels=True),
             masks=masks,
             relu=_RELU_MASK if masks else KEEP,
             sign=_SIGN_MASK if masks else KEEP,
-            tokens=Route("tokens", codec, layout="feat/tok"),
-            features=Route("features", chan, layout=layout),
+            tokens=tokens,
+            features=features,
             attention=Route("attention", chan, layout=layout, heads=True),
         )
+
+
+# Measured in docs/ARCHITECTURE.md ("Layouts for token tensors"): 64-element blocks, > 8x.
+TOKEN_LAYOUT = ("tile", "tok")  # norm inputs: min/step per token (backward divides by its spread)
+FEATURE_LAYOUT = ("grid64", "chan")  # Linear/activation inputs: 8 x 8 patches, per channel
+GROUP_TOKENS = 64  # shorter sequences (windows) are read several at a time (`token_view`)
+
+
+def _layout_route(name: str, codec: Codec, blocks: str, stats: str) -> Route:
+    """A token route in a `layouts` layout (`division`), else the codec's feat/tok view."""
+    if type(codec) is not Division:
+        return Route(name, codec, layout="feat/tok")
+    return Route(name, TokenLayout(codec, blocks, stats), layout=f"{blocks}/{stats}")
 
 
 @dataclass
@@ -360,7 +375,7 @@ def _product(site: Site, saved: Saved) -> Route | None:
     t = saved.tensor
     if t.numel() != full:
         return KEEP
-    if t.dim() == 3:
+    if t.dim() == 3 or (t.dim() == 4 and _from_matmul(t)):  # (N, H, W, C): ConvNeXt's scale
         return site.routes.tokens
     return site.routes.codec if t.dim() >= 2 else KEEP
 
@@ -452,7 +467,10 @@ def view_shape(route: Route, saved: Saved) -> tuple[int, ...] | None:
             if x is not None and x.dim() >= 3 and x.numel() == t.numel():
                 logical = x.shape
                 break
-    return token_view(tuple(logical), route.heads)
+    layout = route.codec if isinstance(route.codec, TokenLayout) and not route.heads else None
+    if layout is None:
+        return token_view(tuple(logical), route.heads)
+    return token_view(tuple(logical), False, grid=layout.blocks == "grid64", group=GROUP_TOKENS)
 
 
 def _not_smaller(route: Route, t: torch.Tensor, shape) -> bool:
