@@ -30,9 +30,9 @@ def _routes(model, x, codec="division"):
 
 @pytest.mark.parametrize("module", [nn.GELU(), Fn(F.gelu), nn.SiLU(), Fn(F.silu), nn.Hardswish(),
                                     Fn(F.mish), Fn(F.elu), Fn(torch.sigmoid), Fn(torch.tanh)])
-def test_activation_inputs_of_token_tensors_go_grid64_chan_as_module_and_function(module):
+def test_activation_inputs_of_token_tensors_go_tile_chan_as_module_and_function(module):
     x = torch.randn(4, 64, 32, requires_grad=True)
-    assert set(_routes(module, x)) == {"division grid64/chan"}
+    assert set(_routes(module, x)) == {"division tile/chan"}
 
 
 def test_linear_on_a_transposed_token_view_is_compressed():
@@ -40,7 +40,7 @@ def test_linear_on_a_transposed_token_view_is_compressed():
     x = torch.randn(32, 16, 256).transpose(1, 2)  # the ViT patch-embedding idiom
     with freqact.compress(model, "division") as meter:
         model(x)
-    assert set(meter.by_route()) == {"division grid64/chan"} and meter.ratio > 10
+    assert set(meter.by_route()) == {"division tile/chan"} and meter.ratio > 10
 
 
 def test_functional_rmsnorm_and_layernorm_inputs_go_tile_tok():
@@ -77,7 +77,7 @@ def test_multihead_attention_compresses_projections_and_probabilities():
     mha = nn.MultiheadAttention(32, 4, batch_first=True)
     x = torch.randn(4, 64, 32, requires_grad=True)
     routes = _routes(Fn(lambda x: mha(x, x, x)[0]), x)
-    assert routes["division grid64/chan"]["count"] >= 2  # the projections' inputs
+    assert routes["division tile/chan"]["count"] >= 2  # the projections' inputs
     assert routes["division feat/chan"]["count"] >= 1  # the probabilities
 
 
@@ -123,7 +123,7 @@ def test_feat_chan_bytes_equal_the_reference_on_the_two_views(backend):
 
 def test_channels_last_grids_and_windows_get_64_element_blocks():
     # ConvNeXt's (N, H, W, C) Linear input: 8 x 8 patches per channel (the CNN map rule);
-    # Swin's 4 x 4 windows (N * nW, 16, C): four windows per per-channel statistics.
+    # Swin's 4 x 4 windows (N * nW, 16, C): tiles, four windows per per-channel statistics.
     lin = nn.Linear(32, 32)
     grid = torch.randn(2, 16, 16, 32, requires_grad=True)
     codec = TokenLayout(codecs.get("division"), "grid64", "chan")
@@ -131,8 +131,9 @@ def test_channels_last_grids_and_windows_get_64_element_blocks():
     assert routes["division grid64/chan"]["saved_bytes"] == packed_nbytes(codec, (2, 16, 16, 32))
     windows = torch.randn(64, 16, 32, requires_grad=True)
     routes = _routes(lin, windows)
-    assert routes["division grid64/chan"]["saved_bytes"] == packed_nbytes(codec, (16, 64, 32))
-    assert windows.numel() * 4 / routes["division grid64/chan"]["saved_bytes"] > 10
+    tiles = TokenLayout(codecs.get("division"), "tile", "chan")
+    assert routes["division tile/chan"]["saved_bytes"] == packed_nbytes(tiles, (16, 64, 32))
+    assert windows.numel() * 4 / routes["division tile/chan"]["saved_bytes"] > 10
 
 
 def test_layer_scale_on_a_channels_last_grid_reads_tokens():

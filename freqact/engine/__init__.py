@@ -25,16 +25,16 @@ tensor autograd saves is routed by that module and by what the tensor is:
 - before the module's rule, the torch function that saved the tensor (`engine.tracker`): Linear/
   GPT-2 Conv1D inputs of token tensors in any layout, GELU/SiLU/Hardswish/... inputs, softmax
   probabilities, SDPA's v/out (not causal, no mask) and nn.MultiheadAttention's projections go
-  through the codec in 64-element blocks per feature column (`grid64/chan`; attention tensors
-  `feat/chan`), LayerNorm/functional RMSNorm inputs per token (`tile/tok`); SDPA q/k, causal or
-  masked attention and statistics stay exact;
+  through the codec in 64-element blocks per feature column (`tile/chan`; `grid64/chan` on
+  (N, H, W, C) grids; attention tensors `feat/chan`), LayerNorm/functional RMSNorm inputs per
+  token (`tile/tok`); SDPA q/k, causal or masked attention and statistics stay exact;
 - anything else (`F.relu`, tensors under 4096 elements saved by ops, statistics), float8, sparse
   and nested tensors, and tensors whose packed form would not be smaller: kept as is (sparse and
   nested ones are not counted in bytes).
 
 The choice is a table (`freqact.engine.routes`): torch function, then module kind -> a chooser
 that looks at the saved tensor and returns a named `Route` (its layout in the meter's route name,
-"division grid64/chan"). Decoded tensors keep a channels-last memory format.
+"division tile/chan"). Decoded tensors keep a channels-last memory format.
 
 Kept tensors are checked for in-place modification at unpack (an error, as in plain PyTorch);
 compressing codecs copy, so their gradients reflect the values at save time. A tensor saved by

@@ -139,7 +139,8 @@ class Routes:
     relu: Route
     sign: Route
     tokens: Route  # TOKEN_LAYOUT on a token grid (norm inputs, products)
-    features: Route  # FEATURE_LAYOUT on a token grid (Linear and activation inputs)
+    features: Route  # FEATURE_LAYOUT on token sequences (Linear and activation inputs)
+    grids: Route  # GRID_LAYOUT: `features` on a (N, H, W, C) grid of at least 64 tokens
     attention: Route  # feat/chan on (N * heads, T, d) (SDPA v/out, probabilities)
 
     @classmethod
@@ -148,8 +149,8 @@ class Routes:
         # The token layouts need the full division form; other codecs read the feat/tok view
         chan, layout = (TokenChannels(codec), "feat/chan") if type(codec) is Division else (
             codec, "feat/tok")
-        tokens, features = (_layout_route(name, codec, *blocks) for name, blocks in (
-            ("tokens", TOKEN_LAYOUT), ("features", FEATURE_LAYOUT)))
+        tokens, features, grids = (_layout_route(name, codec, *blocks) for name, blocks in (
+            ("tokens", TOKEN_LAYOUT), ("features", FEATURE_LAYOUT), ("features", GRID_LAYOUT)))
         return cls(
             codec=Route("codec", codec),
             channels=Route("codec", codec, channels=True),
@@ -158,13 +159,15 @@ class Routes:
             sign=_SIGN_MASK if masks else KEEP,
             tokens=tokens,
             features=features,
+            grids=grids,
             attention=Route("attention", chan, layout=layout, heads=True),
         )
 
 
 # Measured in docs/ARCHITECTURE.md ("Layouts for token tensors"): 64-element blocks, > 8x.
 TOKEN_LAYOUT = ("tile", "tok")  # norm inputs: min/step per token (backward divides by its spread)
-FEATURE_LAYOUT = ("grid64", "chan")  # Linear/activation inputs: 8 x 8 patches, per channel
+FEATURE_LAYOUT = ("tile", "chan")  # Linear/activation inputs: 8 tokens x 8 features, per channel
+GRID_LAYOUT = ("grid64", "chan")  # the same on (N, H, W, C) grids: 8 x 8 patches, per channel
 GROUP_TOKENS = 64  # shorter sequences (windows) are read several at a time (`token_view`)
 
 
@@ -470,7 +473,7 @@ def view_shape(route: Route, saved: Saved) -> tuple[int, ...] | None:
     layout = route.codec if isinstance(route.codec, TokenLayout) and not route.heads else None
     if layout is None:
         return token_view(tuple(logical), route.heads)
-    return token_view(tuple(logical), False, grid=layout.blocks == "grid64", group=GROUP_TOKENS)
+    return token_view(tuple(logical), False, grid=route.name == "features", group=GROUP_TOKENS)
 
 
 def _not_smaller(route: Route, t: torch.Tensor, shape) -> bool:
@@ -529,6 +532,8 @@ def _checked(site: Site, route: Route, saved: Saved) -> tuple[Route, tuple[int, 
     shape = view_shape(route, saved)
     if shape is None and route.layout:
         route = site.routes.codec  # no token view (rank 2): the map rule
+    elif route is site.routes.features and len(shape) == 4:
+        route = site.routes.grids  # a channels-last grid: its 2D patches
     # A codec may decline a tensor (lfc/hfc: no spatial or sequence axis): it is then kept.
     probe = t if shape is None else torch.empty(shape, dtype=t.dtype, device="meta")
     if not route.codec.accepts(probe) or _not_smaller(route, t, shape):
