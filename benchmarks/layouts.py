@@ -58,9 +58,16 @@ from benchmarks.common import RESULTS_DIR, print_table, write_results
 from freqact import data, kernels, models, text
 
 BLOCK, BITS = 8, 2
-ROUTES = ("linear_in", "act_in", "norm_in", "sdpa_qkvo", "sdpa_qk", "sdpa_vo", "attn_probs")
+ROUTES = ("linear_in", "act_in", "norm_in", "sdpa_qkvo", "sdpa_qk", "sdpa_vo", "sdpa_v",
+          "sdpa_o", "sdpa_qk_re", "sdpa_qkv_re", "attn_probs", "attn_probs_zero")
 # Routes measured as the union of finer ones (a saved tensor belongs to exactly one fine route).
-ROUTE_PARTS = {"sdpa_qkvo": ("sdpa_qk", "sdpa_vo")}
+ROUTE_PARTS = {"sdpa_qkvo": ("sdpa_qk", "sdpa_v", "sdpa_o"), "sdpa_vo": ("sdpa_v", "sdpa_o"),
+               "sdpa_qk_re": ("sdpa_qk",), "sdpa_qkv_re": ("sdpa_qk", "sdpa_v"),
+               "attn_probs_zero": ("attn_probs",)}
+# Routes whose SDPA output and logsumexp are recomputed from the decoded q, k, v (held: 0 bytes).
+RECOMPUTED = frozenset({"sdpa_qk_re", "sdpa_qkv_re"})
+# Routes whose decoded probabilities are set back to exactly 0 where they were 0 (a 1-bit mask).
+ZERO_KEPT = frozenset({"attn_probs_zero"})
 # layout name -> (block axis: "F" features, "T" tokens, "G" 2x4 tiles of the patch grid, stats)
 LAYOUTS = {
     "feat/tok": ("F", "token"), "feat/chan": ("F", "channel"),
@@ -142,15 +149,18 @@ class _FunctionNames(TorchFunctionMode):
         super().__init__()
         self.names: list[str] = []
         self.args: list[tuple] = []
+        self.kwargs: list[dict] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         self.names.append(getattr(func, "__name__", ""))
         self.args.append(args)
+        self.kwargs.append(kwargs or {})
         try:
             return func(*args, **(kwargs or {}))
         finally:
             self.names.pop()
             self.args.pop()
+            self.kwargs.pop()
 
 
 def _same_view(a: torch.Tensor, b: object) -> bool:
@@ -171,7 +181,8 @@ def classify(t: torch.Tensor, func: str, args: tuple, module: nn.Module | None,
 
     Under the MATH attention backend, SDPA's (N, heads, T, T) tensors are the probabilities
     (the scaled q, k^T and v it also saves are not measured there); otherwise every 4D tensor
-    SDPA saves is q, k, v or out: `sdpa_qk` if it is the call's q or k argument, else `sdpa_vo`.
+    SDPA saves is q, k, v or out: `sdpa_qk` if it is the call's q or k argument, `sdpa_v` if
+    it is its v, else `sdpa_o` (the output).
     """
     if func == "scaled_dot_product_attention" and t.dim() == 4:
         n, h, q, last = t.shape
@@ -180,7 +191,8 @@ def classify(t: torch.Tensor, func: str, args: tuple, module: nn.Module | None,
                 return None
             return "attn_probs", t.reshape(n * h, q, last), lambda v: v.reshape(t.shape)
         view = t.permute(0, 2, 1, 3).reshape(n, q, h * last)  # q/k/v/out -> tokens (N, T, F)
-        route = "sdpa_qk" if any(_same_view(t, a) for a in args[:2]) else "sdpa_vo"
+        route = ("sdpa_qk" if any(_same_view(t, a) for a in args[:2]) else
+                 "sdpa_v" if len(args) > 2 and _same_view(t, args[2]) else "sdpa_o")
         return route, view, lambda v: v.reshape(n, q, h, last).permute(0, 2, 1, 3)
     route = None
     if func == "linear" and isinstance(module, nn.Linear):
@@ -235,11 +247,15 @@ class SavedTensorReplacer:
         if key in self.memo:  # one tensor saved by two ops is packed once, as the engine does
             return self.memo[key][1]
         module, inp = self.modules[-1] if self.modules else (None, None)
-        func, args = ((self.functions.names[-1], self.functions.args[-1])
-                      if self.functions.names else ("", ()))
+        func, args, kwargs = ((self.functions.names[-1], self.functions.args[-1],
+                               self.functions.kwargs[-1]) if self.functions.names else ("", (), {}))
         found = classify(t, func, args, module, inp, self.math_attention)
         out = t
-        if found is not None:
+        if self.route in RECOMPUTED and func == "scaled_dot_product_attention" and (
+                t.dim() == 3 or (found is not None and found[0] == "sdpa_o")):
+            # SDPA saves k, q, v, then logsumexp and out: both from the replaced q, k, v
+            out = self._recomputed(args, kwargs)[0 if t.dim() == 4 else 1]
+        elif found is not None:
             route, view, back = found
             self.counts[route].update(tensors=1, elements=t.numel())
             if route == self.route or route in ROUTE_PARTS.get(self.route, ()):
@@ -248,9 +264,27 @@ class SavedTensorReplacer:
                 else:
                     v_hat, nbytes = roundtrip(view, self.layout, self.gen)
                     out = back(v_hat)
+                if self.route in ZERO_KEPT:  # a 1-bit mask of the zeros (causal, masked)
+                    out = out.masked_fill(t == 0, 0.0)
+                    nbytes += -(-t.numel() // 8)
                 self.counts[route].update(bytes=nbytes)
         self.memo[key] = (t, out)
         return out
+
+    def _replaced(self, t: torch.Tensor) -> torch.Tensor:
+        """What autograd keeps for an already packed tensor t (t itself if not packed)."""
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+               tuple(t.stride()), t._version)
+        return self.memo.get(key, (t, t))[1]
+
+    def _recomputed(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, logsumexp) of the CPU flash kernel on the replaced q, k, v of one SDPA call."""
+        q, k, v = (self._replaced(a) for a in args[:3])
+        setting = dict(zip(("attn_mask", "dropout_p", "is_causal"), args[3:6]), **kwargs)
+        with torch.no_grad():
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, setting.get("dropout_p", 0.0), setting.get("is_causal", False),
+                attn_mask=setting.get("attn_mask"), scale=setting.get("scale"))
 
     def __enter__(self) -> SavedTensorReplacer:  # noqa: PYI034 (Python 3.10 has no Self)
         self._stack = ExitStack()
@@ -297,12 +331,12 @@ def compare(g: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
 
 
 def measure_routes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, layouts: list[str],
-                   seeds: tuple[int, ...]) -> dict:
+                   seeds: tuple[int, ...], routes: tuple[str, ...] = ROUTES) -> dict:
     """Per route and layout: bytes/element, relative error and cosine (mean, per seed)."""
     model.eval()  # no dropout here; eval only makes the runs repeatable
     results = {}
-    for route in ROUTES:
-        math_attention = route == "attn_probs"
+    for route in routes:
+        math_attention = route.startswith("attn_probs")
         exact, counts = gradients(model, x, y, math_attention=math_attention)
         again, _ = gradients(model, x, y, math_attention=math_attention)
         if not torch.equal(exact, again):
@@ -401,22 +435,23 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("FREQACT_DATA") or REPO_ROOT.parent / "shared" / "data")
 
 
-def run(quick: bool, data_dir: Path) -> dict:
-    """Train both models, measure every route and layout; return the JSON payload."""
+def run(quick: bool, data_dir: Path, names: tuple[str, ...] = ("vit", "gpt"),
+        routes: tuple[str, ...] = ROUTES) -> dict:
+    """Train the models, measure the routes in every layout; return the JSON payload."""
     cfg = QUICK if quick else FULL
     payload = {"block": BLOCK, "bits": BITS, "quick": quick,
                "config": {k: v for k, v in cfg.items() if k != "seeds"},
                "seeds": list(cfg["seeds"]), "models": {}}
     token_layouts = [k for k, (axis, _) in LAYOUTS.items() if axis in ("F", "T")]
-    for name in ("vit", "gpt"):
+    for name in names:
         start = time.perf_counter()
         model, x, y, facts = vit_case(cfg, data_dir) if name == "vit" else gpt_case(cfg)
         print(f"{name}: trained in {time.perf_counter() - start:.0f} s: {facts}",
               file=sys.stderr, flush=True)
         layouts = list(LAYOUTS) if name == "vit" else token_layouts
-        routes = measure_routes(model, x, y, [*layouts, "as-saved"], cfg["seeds"])
+        measured = measure_routes(model, x, y, [*layouts, "as-saved"], cfg["seeds"], routes)
         payload["models"][name] = {"settings": cfg[name], "training": facts,
-                                   "batch_shape": list(x.shape), "routes": routes,
+                                   "batch_shape": list(x.shape), "routes": measured,
                                    "seconds": time.perf_counter() - start}
     return payload
 
@@ -445,13 +480,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON folder (default benchmarks/results; --quick writes nothing "
                              "unless given)")
+    parser.add_argument("--models", nargs="+", choices=("vit", "gpt"), default=("vit", "gpt"),
+                        help="models to train and measure (default both)")
+    parser.add_argument("--routes", nargs="+", choices=ROUTES, default=ROUTES,
+                        help="routes to measure (default all)")
     args = parser.parse_args(argv)
     data_dir = args.data_dir or default_data_dir()
     if not (data_dir / "cifar-10-batches-py" / "data_batch_1").is_file():
         print(f"error: --data-dir: no CIFAR-10 (cifar-10-batches-py) under {data_dir}",
               file=sys.stderr)
         return 2
-    payload = run(args.quick, data_dir)
+    payload = run(args.quick, data_dir, tuple(args.models), tuple(args.routes))
     print_table(["model", "route", "layout", "bytes/elem", "rel. grad error", "cosine"],
                 table_rows(payload))
     if args.out is not None or not args.quick:
