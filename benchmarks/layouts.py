@@ -59,7 +59,7 @@ from freqact import data, kernels, models, text
 
 BLOCK, BITS = 8, 2
 ROUTES = ("linear_in", "act_in", "norm_in", "sdpa_qkvo", "sdpa_qk", "sdpa_vo", "sdpa_v",
-          "sdpa_o", "sdpa_qk_re", "sdpa_qkv_re", "attn_probs", "attn_probs_zero")
+          "sdpa_o", "sdpa_qk_re", "sdpa_qkv_re", "attn_probs", "attn_probs_zero", "math_qkv")
 # Routes measured as the union of finer ones (a saved tensor belongs to exactly one fine route).
 ROUTE_PARTS = {"sdpa_qkvo": ("sdpa_qk", "sdpa_v", "sdpa_o"), "sdpa_vo": ("sdpa_v", "sdpa_o"),
                "sdpa_qk_re": ("sdpa_qk",), "sdpa_qkv_re": ("sdpa_qk", "sdpa_v"),
@@ -180,10 +180,16 @@ def classify(t: torch.Tensor, func: str, args: tuple, module: nn.Module | None,
     """(route, view (M, T, F), back-function) for a saved tensor, or None (kept exact).
 
     Under the MATH attention backend, SDPA's (N, heads, T, T) tensors are the probabilities
-    (the scaled q, k^T and v it also saves are not measured there); otherwise every 4D tensor
+    and its 3D ones the scaled q, k^T and v its matmuls save (`math_qkv`, read as saved); otherwise every 4D tensor
     SDPA saves is q, k, v or out: `sdpa_qk` if it is the call's q or k argument, `sdpa_v` if
     it is its v, else `sdpa_o` (the output).
     """
+    if func == "scaled_dot_product_attention" and t.dim() == 3 and math_attention:
+        if t.shape[-1] == t.shape[-2]:  # matmul's view of the probabilities (packed as 4D)
+            return None
+        # eager attention's matmul operands: scaled q (N * heads, T, d), scaled k^T
+        # (N * heads, d, T), v: read as saved, as the engine's attention route would
+        return "math_qkv", t, lambda v: v.reshape(t.shape)
     if func == "scaled_dot_product_attention" and t.dim() == 4:
         n, h, q, last = t.shape
         if math_attention:
@@ -230,6 +236,7 @@ class SavedTensorReplacer:
         # key -> (the saved tensor, what autograd keeps instead); holding the saved tensor keeps
         # its address from being reused by a later tensor with the same key.
         self.memo: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.aliases: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.counts: dict[str, Counter] = {r: Counter() for r in ROUTES}
         self._model = model
 
@@ -246,6 +253,11 @@ class SavedTensorReplacer:
                tuple(t.stride()), t._version)
         if key in self.memo:  # one tensor saved by two ops is packed once, as the engine does
             return self.memo[key][1]
+        alias = self.aliases.get(key[:2] + (t.numel(),)) if t.is_contiguous() else None
+        if alias is not None and alias[0]._version == t._version:
+            # another contiguous view of a replaced tensor (matmul's (N * heads, T, T) view of
+            # the probabilities): its decoded values, as the engine's one packed form decodes
+            return alias[1].reshape(t.shape)
         module, inp = self.modules[-1] if self.modules else (None, None)
         func, args, kwargs = ((self.functions.names[-1], self.functions.args[-1],
                                self.functions.kwargs[-1]) if self.functions.names else ("", (), {}))
@@ -256,19 +268,26 @@ class SavedTensorReplacer:
             # SDPA saves k, q, v, then logsumexp and out: both from the replaced q, k, v
             out = self._recomputed(args, kwargs)[0 if t.dim() == 4 else 1]
         elif found is not None:
-            route, view, back = found
-            self.counts[route].update(tensors=1, elements=t.numel())
-            if route == self.route or route in ROUTE_PARTS.get(self.route, ()):
-                if self.layout == "as-saved":
-                    out, nbytes = as_saved_roundtrip(t, self.gen)
-                else:
-                    v_hat, nbytes = roundtrip(view, self.layout, self.gen)
-                    out = back(v_hat)
-                if self.route in ZERO_KEPT:  # a 1-bit mask of the zeros (causal, masked)
-                    out = out.masked_fill(t == 0, 0.0)
-                    nbytes += -(-t.numel() // 8)
-                self.counts[route].update(bytes=nbytes)
+            out = self._replace(t, *found)
         self.memo[key] = (t, out)
+        if out is not t and t.is_contiguous():
+            self.aliases[key[:2] + (t.numel(),)] = (t, out)
+        return out
+
+    def _replace(self, t: torch.Tensor, route: str, view: torch.Tensor, back) -> torch.Tensor:
+        """t's round trip if `route` is measured (counting it), else t."""
+        self.counts[route].update(tensors=1, elements=t.numel())
+        if route != self.route and route not in ROUTE_PARTS.get(self.route, ()):
+            return t
+        if self.layout == "as-saved":
+            out, nbytes = as_saved_roundtrip(t, self.gen)
+        else:
+            v_hat, nbytes = roundtrip(view, self.layout, self.gen)
+            out = back(v_hat)
+        if self.route in ZERO_KEPT:  # a 1-bit mask of the zeros (causal, masked)
+            out = out.masked_fill(t == 0, 0.0)
+            nbytes += -(-t.numel() // 8)
+        self.counts[route].update(bytes=nbytes)
         return out
 
     def _replaced(self, t: torch.Tensor) -> torch.Tensor:
@@ -336,7 +355,7 @@ def measure_routes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, layouts: 
     model.eval()  # no dropout here; eval only makes the runs repeatable
     results = {}
     for route in routes:
-        math_attention = route.startswith("attn_probs")
+        math_attention = route.startswith(("attn_probs", "math_"))
         exact, counts = gradients(model, x, y, math_attention=math_attention)
         again, _ = gradients(model, x, y, math_attention=math_attention)
         if not torch.equal(exact, again):
@@ -436,9 +455,11 @@ def default_data_dir() -> Path:
 
 
 def run(quick: bool, data_dir: Path, names: tuple[str, ...] = ("vit", "gpt"),
-        routes: tuple[str, ...] = ROUTES) -> dict:
+        routes: tuple[str, ...] = ROUTES, steps: int | None = None) -> dict:
     """Train the models, measure the routes in every layout; return the JSON payload."""
-    cfg = QUICK if quick else FULL
+    cfg = dict(QUICK if quick else FULL)
+    if steps is not None:
+        cfg["steps"] = steps
     payload = {"block": BLOCK, "bits": BITS, "quick": quick,
                "config": {k: v for k, v in cfg.items() if k != "seeds"},
                "seeds": list(cfg["seeds"]), "models": {}}
@@ -484,13 +505,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="models to train and measure (default both)")
     parser.add_argument("--routes", nargs="+", choices=ROUTES, default=ROUTES,
                         help="routes to measure (default all)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="training steps (default 250, --quick 3): fewer on a busy machine")
     args = parser.parse_args(argv)
     data_dir = args.data_dir or default_data_dir()
     if not (data_dir / "cifar-10-batches-py" / "data_batch_1").is_file():
         print(f"error: --data-dir: no CIFAR-10 (cifar-10-batches-py) under {data_dir}",
               file=sys.stderr)
         return 2
-    payload = run(args.quick, data_dir, tuple(args.models), tuple(args.routes))
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps: expected an integer >= 1, got {args.steps}")
+    payload = run(args.quick, data_dir, tuple(args.models), tuple(args.routes), args.steps)
     print_table(["model", "route", "layout", "bytes/elem", "rel. grad error", "cosine"],
                 table_rows(payload))
     if args.out is not None or not args.quick:

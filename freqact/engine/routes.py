@@ -416,8 +416,13 @@ def _sdpa(site: Site, saved: Saved) -> Route | None:
         return KEEP
     if t.numel() < MIN_ELEMENTS:
         return KEEP if site.kind is Kind.NONE else None
-    # Elsewhere q and k stay exact; so do v and out with a mask or is_causal (measured: no
-    # layout works there yet), and logsumexp and the RNG state.
+    return _sdpa_kept_qk(site, saved)
+
+
+def _sdpa_kept_qk(site: Site, saved: Saved) -> Route:
+    # Where the kernel cannot be rerun, q and k stay exact; so do v and out with a mask or
+    # is_causal (measured: no layout works there yet), and logsumexp and the RNG state.
+    t = saved.tensor
     mask = saved.kwargs.get("attn_mask", saved.args[3] if len(saved.args) > 3 else None)
     causal = saved.kwargs.get("is_causal", saved.args[5] if len(saved.args) > 5 else False)
     if mask is not None or causal or t.dim() < 3 or any(
