@@ -59,9 +59,16 @@ from freqact import codecs, data, kernels, models, text
 from freqact.engine.layouts import TokenLayout
 
 BLOCK, BITS = 8, 2
-ROUTES = ("linear_in", "act_in", "norm_in", "sdpa_qkvo", "sdpa_qk", "sdpa_vo", "attn_probs")
+ROUTES = ("linear_in", "act_in", "norm_in", "sdpa_qkvo", "sdpa_qk", "sdpa_vo", "sdpa_v",
+          "sdpa_o", "sdpa_qk_re", "sdpa_qkv_re", "attn_probs", "attn_probs_zero", "math_qkv")
 # Routes measured as the union of finer ones (a saved tensor belongs to exactly one fine route).
-ROUTE_PARTS = {"sdpa_qkvo": ("sdpa_qk", "sdpa_vo")}
+ROUTE_PARTS = {"sdpa_qkvo": ("sdpa_qk", "sdpa_v", "sdpa_o"), "sdpa_vo": ("sdpa_v", "sdpa_o"),
+               "sdpa_qk_re": ("sdpa_qk",), "sdpa_qkv_re": ("sdpa_qk", "sdpa_v"),
+               "attn_probs_zero": ("attn_probs",)}
+# Routes whose SDPA output and logsumexp are recomputed from the decoded q, k, v (held: 0 bytes).
+RECOMPUTED = frozenset({"sdpa_qk_re", "sdpa_qkv_re"})
+# Routes whose decoded probabilities are set back to exactly 0 where they were 0 (a 1-bit mask).
+ZERO_KEPT = frozenset({"attn_probs_zero"})
 # layout name -> (block axis: "F" features, "T" tokens, "G" 2x4 tiles of the patch grid, stats)
 LAYOUTS = {
     "feat/tok": ("F", "token"), "feat/chan": ("F", "channel"),
@@ -159,15 +166,18 @@ class _FunctionNames(TorchFunctionMode):
         super().__init__()
         self.names: list[str] = []
         self.args: list[tuple] = []
+        self.kwargs: list[dict] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         self.names.append(getattr(func, "__name__", ""))
         self.args.append(args)
+        self.kwargs.append(kwargs or {})
         try:
             return func(*args, **(kwargs or {}))
         finally:
             self.names.pop()
             self.args.pop()
+            self.kwargs.pop()
 
 
 def _same_view(a: torch.Tensor, b: object) -> bool:
@@ -187,9 +197,19 @@ def classify(t: torch.Tensor, func: str, args: tuple, module: nn.Module | None,
     """(route, view (M, T, F), back-function) for a saved tensor, or None (kept exact).
 
     Under the MATH attention backend, SDPA's (N, heads, T, T) tensors are the probabilities
-    (the scaled q, k^T and v it also saves are not measured there); otherwise every 4D tensor
-    SDPA saves is q, k, v or out: `sdpa_qk` if it is the call's q or k argument, else `sdpa_vo`.
+    and its 3D ones the scaled q, k^T and v its matmuls save (`math_qkv`, k^T read transposed); otherwise every 4D tensor
+    SDPA saves is q, k, v or out: `sdpa_qk` if it is the call's q or k argument, `sdpa_v` if
+    it is its v, else `sdpa_o` (the output).
     """
+    if func == "scaled_dot_product_attention" and t.dim() == 3 and math_attention:
+        if t.shape[-1] == t.shape[-2]:  # matmul's view of the probabilities (packed as 4D)
+            return None
+        # eager attention's matmul operands: scaled q (N * heads, T, d), scaled k^T
+        # (N * heads, d, T), v; k^T is read as tokens (N * heads, T, d) like the others
+        tokens, dim = args[0].shape[-2:]
+        if tokens != dim and t.shape[-2:] == (dim, tokens):
+            return "math_qkv", t.transpose(1, 2), lambda v: v.transpose(1, 2).reshape(t.shape)
+        return "math_qkv", t, lambda v: v.reshape(t.shape)
     if func == "scaled_dot_product_attention" and t.dim() == 4:
         n, h, q, last = t.shape
         if math_attention:
@@ -197,7 +217,8 @@ def classify(t: torch.Tensor, func: str, args: tuple, module: nn.Module | None,
                 return None
             return "attn_probs", t.reshape(n * h, q, last), lambda v: v.reshape(t.shape)
         view = t.permute(0, 2, 1, 3).reshape(n, q, h * last)  # q/k/v/out -> tokens (N, T, F)
-        route = "sdpa_qk" if any(_same_view(t, a) for a in args[:2]) else "sdpa_vo"
+        route = ("sdpa_qk" if any(_same_view(t, a) for a in args[:2]) else
+                 "sdpa_v" if len(args) > 2 and _same_view(t, args[2]) else "sdpa_o")
         return route, view, lambda v: v.reshape(n, q, h, last).permute(0, 2, 1, 3)
     route = None
     if func == "linear" and isinstance(module, nn.Linear):
@@ -235,6 +256,7 @@ class SavedTensorReplacer:
         # key -> (the saved tensor, what autograd keeps instead); holding the saved tensor keeps
         # its address from being reused by a later tensor with the same key.
         self.memo: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.aliases: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.counts: dict[str, Counter] = {r: Counter() for r in ROUTES}
         self._model = model
 
@@ -251,26 +273,60 @@ class SavedTensorReplacer:
                tuple(t.stride()), t._version)
         if key in self.memo:  # one tensor saved by two ops is packed once, as the engine does
             return self.memo[key][1]
+        alias = self.aliases.get(key[:2] + (t.numel(),)) if t.is_contiguous() else None
+        if alias is not None and alias[0]._version == t._version:
+            # another contiguous view of a replaced tensor (matmul's (N * heads, T, T) view of
+            # the probabilities): its decoded values, as the engine's one packed form decodes
+            return alias[1].reshape(t.shape)
         module, inp = self.modules[-1] if self.modules else (None, None)
-        func, args = ((self.functions.names[-1], self.functions.args[-1])
-                      if self.functions.names else ("", ()))
+        func, args, kwargs = ((self.functions.names[-1], self.functions.args[-1],
+                               self.functions.kwargs[-1]) if self.functions.names else ("", (), {}))
         found = classify(t, func, args, module, inp, self.math_attention)
         out = t
-        if found is not None:
-            route, view, back = found
-            self.counts[route].update(tensors=1, elements=t.numel())
-            if route == self.route or route in ROUTE_PARTS.get(self.route, ()):
-                if self.layout == "as-saved":
-                    out, nbytes = as_saved_roundtrip(t, self.gen)
-                elif self.layout in BLOCK64:
-                    v_hat, nbytes = engine_roundtrip(view, self.layout, self.gen)
-                    out = back(v_hat)
-                else:
-                    v_hat, nbytes = roundtrip(view, self.layout, self.gen)
-                    out = back(v_hat)
-                self.counts[route].update(bytes=nbytes)
+        if self.route in RECOMPUTED and func == "scaled_dot_product_attention" and (
+                t.dim() == 3 or (found is not None and found[0] == "sdpa_o")):
+            # SDPA saves k, q, v, then logsumexp and out: both from the replaced q, k, v
+            out = self._recomputed(args, kwargs)[0 if t.dim() == 4 else 1]
+        elif found is not None:
+            out = self._replace(t, *found)
         self.memo[key] = (t, out)
+        if out is not t and t.is_contiguous():
+            self.aliases[key[:2] + (t.numel(),)] = (t, out)
         return out
+
+    def _replace(self, t: torch.Tensor, route: str, view: torch.Tensor, back) -> torch.Tensor:
+        """t's round trip if `route` is measured (counting it), else t."""
+        self.counts[route].update(tensors=1, elements=t.numel())
+        if route != self.route and route not in ROUTE_PARTS.get(self.route, ()):
+            return t
+        if self.layout == "as-saved":
+            out, nbytes = as_saved_roundtrip(t, self.gen)
+        elif self.layout in BLOCK64:
+            v_hat, nbytes = engine_roundtrip(view, self.layout, self.gen)
+            out = back(v_hat)
+        else:
+            v_hat, nbytes = roundtrip(view, self.layout, self.gen)
+            out = back(v_hat)
+        if self.route in ZERO_KEPT:  # a 1-bit mask of the zeros (causal, masked)
+            out = out.masked_fill(t == 0, 0.0)
+            nbytes += -(-t.numel() // 8)
+        self.counts[route].update(bytes=nbytes)
+        return out
+
+    def _replaced(self, t: torch.Tensor) -> torch.Tensor:
+        """What autograd keeps for an already packed tensor t (t itself if not packed)."""
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+               tuple(t.stride()), t._version)
+        return self.memo.get(key, (t, t))[1]
+
+    def _recomputed(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, logsumexp) of the CPU flash kernel on the replaced q, k, v of one SDPA call."""
+        q, k, v = (self._replaced(a) for a in args[:3])
+        setting = dict(zip(("attn_mask", "dropout_p", "is_causal"), args[3:6]), **kwargs)
+        with torch.no_grad():
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, setting.get("dropout_p", 0.0), setting.get("is_causal", False),
+                attn_mask=setting.get("attn_mask"), scale=setting.get("scale"))
 
     def __enter__(self) -> SavedTensorReplacer:  # noqa: PYI034 (Python 3.10 has no Self)
         self._stack = ExitStack()
@@ -322,7 +378,7 @@ def measure_routes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, layouts: 
     model.eval()  # no dropout here; eval only makes the runs repeatable
     results = {}
     for route in routes:
-        math_attention = route == "attn_probs"
+        math_attention = route.startswith(("attn_probs", "math_"))
         exact, counts = gradients(model, x, y, math_attention=math_attention)
         again, _ = gradients(model, x, y, math_attention=math_attention)
         if not torch.equal(exact, again):
@@ -495,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --data-dir: no CIFAR-10 (cifar-10-batches-py) under {data_dir}",
               file=sys.stderr)
         return 2
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps: expected an integer >= 1, got {args.steps}")
     payload = run(args.quick, data_dir, args.layouts, args.steps, tuple(args.models),
                   tuple(args.routes))
     print_table(["model", "route", "layout", "bytes/elem", "rel. grad error", "cosine"],

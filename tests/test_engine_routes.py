@@ -54,16 +54,15 @@ def test_functional_rmsnorm_and_layernorm_inputs_go_tile_tok():
     assert set(_routes(Fn(lambda x: F.layer_norm(x, (32,))), x)) == {"division tile/tok", "kept"}
 
 
-def test_sdpa_keeps_q_k_and_compresses_v_out_only_without_mask():
+def test_sdpa_packs_q_k_v_and_recomputes_out_and_logsumexp_with_or_without_mask():
     q, k, v = (torch.randn(2, 4, 64, 16, requires_grad=True) for _ in range(3))
-    with freqact.compress(nn.Identity(), "division") as meter:
-        F.scaled_dot_product_attention(q, k, v)
-    routes = meter.by_route()
-    assert routes["kept"]["exact_bytes"] >= 2 * q.numel() * 4  # q and k
-    assert routes["division feat/chan"]["count"] == 2  # v and out
-    with freqact.compress(nn.Identity(), "division") as meter:
-        F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    assert set(meter.by_route()) == {"kept"}
+    for kwargs in ({}, {"is_causal": True}, {"attn_mask": torch.randn(64, 64)}):
+        with freqact.compress(nn.Identity(), "division") as meter:
+            F.scaled_dot_product_attention(q, k, v, **kwargs)
+        routes = meter.by_route()
+        assert routes["division feat/chan"]["count"] == 3, kwargs  # q, k, v
+        assert routes["recomputed"]["count"] == 2 and routes["recomputed"]["saved_bytes"] == 0
+        assert set(routes) <= {"division feat/chan", "recomputed", "kept"}
 
 
 def test_softmax_probabilities_compressed_unless_masked():

@@ -9,6 +9,8 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from benchmarks import layouts
 from freqact import kernels, models
@@ -87,12 +89,36 @@ def test_hooks_alone_are_exact_and_routes_find_their_tensors():
     # RMSNorm saves its input and the normalised input (5 norms); statistics stay exact.
     assert counts["norm_in"]["tensors"] == 5 * 2
     assert counts["sdpa_qk"]["tensors"] == 2 * 2  # q, k per block
-    assert counts["sdpa_vo"]["tensors"] == 2 * 2  # v, out per block
+    assert counts["sdpa_v"]["tensors"] == counts["sdpa_o"]["tensors"] == 2  # v, out per block
+    assert layouts.route_count(counts, "sdpa_vo", "tensors") == 2 * 2
     assert layouts.route_count(counts, "sdpa_qkvo", "tensors") == 2 * 4
     assert counts["attn_probs"]["tensors"] == 0
     _, math_counts = layouts.gradients(model, x, y, math_attention=True)
     assert math_counts["attn_probs"]["tensors"] == 2
     assert math_counts["attn_probs"]["elements"] == 2 * 2 * 2 * 24 * 24
+    assert math_counts["math_qkv"]["tensors"] == 2 * 3  # scaled q, scaled k^T, v per block
+
+
+def test_recomputed_out_and_logsumexp_are_the_kernel_s_own():
+    q, k, v = (torch.randn(2, 2, 24, 16) for _ in range(3))
+    replacer = layouts.SavedTensorReplacer(nn.Identity(), "sdpa_qk_re", "feat/chan", 0)
+    out, lse = replacer._recomputed((q, k, v), {"is_causal": True})
+    ref = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_zero_kept_probabilities_count_their_mask_and_stay_close():
+    model, x, y = _tiny_gpt()
+    exact, _ = layouts.gradients(model, x, y, math_attention=True)
+    g, counts = layouts.gradients(model, x, y, route="attn_probs_zero", layout="feat/chan",
+                                  math_attention=True)
+    _, plain_counts = layouts.gradients(model, x, y, route="attn_probs", layout="feat/chan",
+                                        math_attention=True)
+    elements = counts["attn_probs"]["elements"]
+    assert counts["attn_probs"]["bytes"] == plain_counts["attn_probs"]["bytes"] + elements // 8
+    rel, cos = layouts.compare(g, exact)
+    assert 0 < rel < 0.5 and cos > 0.9
 
 
 def test_replacing_a_route_changes_gradients_a_little():

@@ -10,6 +10,7 @@ choosers or new `Saved` fields, not new branches in the pack hook.
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ from freqact.codecs.cheap import (
     SignMask,
 )
 from freqact.codecs.division import Division
+from freqact.engine.attention import ROLES, SdpaCall
 from freqact.engine.layouts import TokenChannels, TokenLayout, packed_nbytes, token_view
 
 __all__ = ["DEFAULT_TYPES", "Kind", "Route", "Routes", "Saved", "Site", "choose", "kind_of",
@@ -189,6 +191,7 @@ class Site:
             (False when include/exclude leave it out).
         hardtanh: the hardtanh-mask route with the module's range (Kind.HARDTANH only).
         maxpool: maxpool-indices routes by input size, built on first use.
+        sdpa: weak reference to the SDPA call whose saves are being packed (`attention`).
     """
 
     name: str
@@ -199,6 +202,7 @@ class Site:
     type_name: str = field(init=False)
     hardtanh: Route | None = field(init=False, default=None)
     maxpool: dict = field(init=False, default_factory=dict)
+    sdpa: weakref.ref | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.type_name = type(self.module).__name__
@@ -391,17 +395,51 @@ def _probabilities(site: Site, saved: Saved, softmax: bool = False) -> Route | N
     t = saved.tensor
     if not softmax and saved.op not in _SOFTMAX_NODES:
         return KEEP
-    # A causal or masked softmax has exact zeros; decoded noise there would carry gradient.
+    # A causal or masked softmax has exact zeros: decoded noise there carries gradient (errors
+    # 9-98), and restoring the zeros exactly still left 5.2-5.7 on the trained GPT: kept.
     if t.dim() < 3 or bool((t == 0).any()):
         return KEEP
     return site.routes.attention
 
 
-def _sdpa(site: Site, saved: Saved) -> Route:
+def _sdpa_call(site: Site, saved: Saved) -> SdpaCall | None:
+    """The SDPA call `saved` belongs to: the site's current one, or a new one for new args."""
+    division = site.routes.attention.codec
+    if not isinstance(division, TokenChannels):
+        return None
+    call = site.sdpa() if site.sdpa is not None else None
+    if call is None or not call.matches(saved.args) or (
+            call.role(saved.tensor, saved.op) in call.chosen):
+        call = SdpaCall(saved.args, saved.kwargs, division, MIN_ELEMENTS)
+        call.routes = {
+            **{r: Route("attention", call.inputs[r], layout="feat/chan", heads=True)
+               for r in ROLES},
+            **{r: Route("recomputed", call.outputs[r]) for r in ("out", "lse")}}
+        site.sdpa = weakref.ref(call)
+    return call
+
+
+def _sdpa(site: Site, saved: Saved) -> Route | None:
     t = saved.tensor
-    # Its fused backward recomputes exp(q k^T - logsumexp) with the exact logsumexp: an error on
-    # q or k enters exponentially, so q and k stay exact; so do v and out with a mask or
+    # Its fused backward recomputes exp(q k^T - logsumexp): with the exact logsumexp an error on
+    # q or k enters exponentially. Where the kernel can be rerun (`attention.SdpaCall`), q, k, v
+    # are packed and out and logsumexp recomputed from their decoded forms, as a unit.
+    call = _sdpa_call(site, saved)
+    if call is not None and call.recomputes:
+        role = call.role(t, saved.op)
+        if role in ROLES or (role in ("out", "lse") and call.complete):
+            call.chosen.add(role)
+            return call.routes[role]
+        return KEEP
+    if t.numel() < MIN_ELEMENTS:
+        return KEEP if site.kind is Kind.NONE else None
+    return _sdpa_kept_qk(site, saved)
+
+
+def _sdpa_kept_qk(site: Site, saved: Saved) -> Route:
+    # Where the kernel cannot be rerun, q and k stay exact; so do v and out with a mask or
     # is_causal (measured: no layout works there yet), and logsumexp and the RNG state.
+    t = saved.tensor
     mask = saved.kwargs.get("attn_mask", saved.args[3] if len(saved.args) > 3 else None)
     causal = saved.kwargs.get("is_causal", saved.args[5] if len(saved.args) > 5 else False)
     if mask is not None or causal or t.dim() < 3 or any(
@@ -454,7 +492,8 @@ def _by_function(site: Site, saved: Saved) -> Route | None:
     chooser = _FUNCTION_CHOOSERS.get(saved.func)
     if chooser is None or not site.functional:
         return None
-    if saved.tensor.numel() < MIN_ELEMENTS:
+    # SDPA's saves are routed as a unit: its chooser sizes them by the call's q
+    if saved.tensor.numel() < MIN_ELEMENTS and chooser is not _sdpa:
         return KEEP if site.kind is Kind.NONE else None
     return chooser(site, saved)
 

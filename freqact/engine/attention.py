@@ -1,0 +1,184 @@
+"""Attention internals under DIVISION: SDPA's q/k/v packed, its output and logsumexp recomputed.
+
+SDPA (the CPU flash kernel, `torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`) saves
+q, k, v, its output and the logsumexp of the scores; its backward recomputes
+P = exp(q k^T * scale - logsumexp). Decoded q, k with the *exact* logsumexp give unnormalised
+rows of P, and an error on q.k enters exponentially (gradient errors 1e8-1e24 on a trained GPT).
+So one SDPA call is packed as a unit (`SdpaCall`): q, k, v go through `division` in the
+`feat/chan` layout of (N * heads, T, d) (`SdpaInput`), and the output and the logsumexp hold
+nothing (`Recomputed`): at unpack they are recomputed by the same kernel from the decoded q, k, v
+(one attention forward per call in backward), so P is the softmax of the decoded scores and
+the gradient is that of attention at the decoded point. Only where the recomputation is the
+saved kernel's own forward: the CPU flash backend, no dropout, q/k/v of one shape but the last
+dim (no grouped heads), q with at least `MIN_ELEMENTS` elements; otherwise the call's saves are
+routed as before (`routes._sdpa`).
+
+Softmax outputs with exact zeros (causal, masked) stay exact (`routes._probabilities`): with
+the zeros restored exactly (a 1-bit mask) the trained GPT still measured 5.2-5.7.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from freqact.codecs.base import Codec
+from freqact.engine.layouts import LayoutPacked, TokenChannels, packed_nbytes, token_view
+
+__all__ = ["Recomputed", "RecomputedPacked", "SdpaCall", "SdpaInput"]
+
+ROLES = ("q", "k", "v")
+
+
+def _same_view(a: torch.Tensor, b) -> bool:
+    return (isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr()
+            and a.shape == b.shape and a.stride() == b.stride())
+
+
+def _setting(args: tuple, kwargs: dict, name: str, index: int, default):
+    """An SDPA argument given by keyword or at its position in
+    (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)."""
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else default
+
+
+class SdpaCall:
+    """The saves of one `F.scaled_dot_product_attention` call, packed as a unit.
+
+    Holds weak references to the call's q, k, v (to recognise them), the packed forms of q, k, v
+    (the same objects their SavedVariables hold: no extra bytes) and the call's settings.
+
+    Args:
+        args, kwargs: the call's arguments (from the function tracker).
+        division: the block's TokenChannels codec (its division settings).
+        min_elements: q must have at least this many elements to be packed.
+    """
+
+    def __init__(self, args: tuple, kwargs: dict, division: TokenChannels,
+                 min_elements: int) -> None:
+        self.key = id(args)
+        q, k, v = (args[i] if len(args) > i else None for i in range(3))
+        self.refs = tuple(weakref.ref(a) if isinstance(a, torch.Tensor) else None
+                          for a in (q, k, v))
+        self.mask = _setting(args, kwargs, "attn_mask", 3, None)
+        self.dropout = _setting(args, kwargs, "dropout_p", 4, 0.0)
+        self.causal = bool(_setting(args, kwargs, "is_causal", 5, False))
+        self.scale = _setting(args, kwargs, "scale", 6, None)
+        self.shapes = {r: tuple(a.shape) for r, a in zip(ROLES, (q, k, v))
+                       if isinstance(a, torch.Tensor)}
+        self.packed: dict[str, LayoutPacked] = {}
+        self.decoded: dict[str, weakref.ref] = {}
+        self.chosen: set[str] = set()
+        self.inputs = {r: SdpaInput(division, self, r) for r in ROLES}
+        self.inputs_codec = self.inputs["q"]
+        self.recomputes = self._recomputable(q, k, v, kwargs, min_elements)
+        self.outputs = {r: Recomputed(self, r) for r in ("out", "lse")}
+
+    def _recomputable(self, q, k, v, kwargs: dict, min_elements: int) -> bool:
+        if not all(isinstance(a, torch.Tensor) for a in (q, k, v)) or q.dim() != 4:
+            return False
+        if q.device.type != "cpu" or self.dropout or kwargs.get("enable_gqa", False):
+            return False
+        if k.shape[:-1] != q.shape[:-1] or v.shape[:-1] != q.shape[:-1] or k.shape != q.shape:
+            return False
+        if q.numel() < min_elements or any(_same_view(a, b) for a, b in ((q, k), (q, v), (k, v))):
+            return False
+        # all three packed or none (the routes' own size check must not keep one of them)
+        if any(packed_nbytes(self.inputs_codec, token_view(tuple(a.shape), True))
+               >= a.numel() * a.element_size() for a in (q, k, v)):
+            return False
+        backend = torch._fused_sdp_choice(q, k, v, self.mask, self.dropout, self.causal,
+                                          scale=self.scale)
+        return backend == int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+
+    def matches(self, args: tuple) -> bool:
+        """True when args are this call's (the tracker's tuple, its q/k/v still alive)."""
+        if id(args) != self.key:
+            return False
+        return all((ref() if ref is not None else None) is (args[i] if len(args) > i else None)
+                   for i, ref in enumerate(self.refs))
+
+    def role(self, t: torch.Tensor, op: str) -> str | None:
+        """"q", "k", "v" (the call's arguments), "out", "lse" (what the kernel returned), or None."""
+        for name, ref in zip(ROLES, self.refs):
+            if ref is not None and _same_view(t, ref()):
+                return name
+        q_shape = self.shapes.get("q")
+        if q_shape is None or "v" not in self.shapes:
+            return None
+        if op.startswith("ScaledDotProduct") and tuple(t.shape) == (
+                *q_shape[:-1], self.shapes["v"][-1]):
+            return "out"
+        if op == "" and t.dtype == torch.float32 and tuple(t.shape) == q_shape[:-1]:
+            return "lse"
+        return None
+
+    def store(self, role: str, packed: LayoutPacked) -> None:
+        self.packed[role] = packed
+
+    @property
+    def complete(self) -> bool:
+        """q, k and v were all packed (then the output and logsumexp can be recomputed)."""
+        return all(r in self.packed for r in ROLES)
+
+    def _input(self, role: str) -> torch.Tensor:
+        """The decoded q, k or v of shape (N, heads, T, d) (the one backward holds, if alive)."""
+        ref = self.decoded.get(role)
+        x = ref() if ref is not None else None
+        if x is None:
+            x = self.inputs[role].decode(self.packed[role])
+        return x.view(self.shapes[role])
+
+    def recompute(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, logsumexp) of the CPU flash kernel on the decoded q, k, v."""
+        q, k, v = (self._input(r) for r in ROLES)
+        with torch.no_grad():
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, self.causal, attn_mask=self.mask, scale=self.scale)
+
+
+class SdpaInput(TokenChannels):
+    """q, k or v of one SDPA call in the `feat/chan` form; registers its packed form with the
+    call and remembers (weakly) what it decoded, so the recomputation decodes nothing twice."""
+
+    def __init__(self, division: TokenChannels, call: SdpaCall, role: str) -> None:
+        super().__init__(division.division)
+        self.call, self.role = call, role
+
+    def encode(self, x: torch.Tensor, noise: torch.Tensor | None = None) -> LayoutPacked:
+        packed = super().encode(x, noise)
+        self.call.store(self.role, packed)
+        return packed
+
+    def decode(self, packed: LayoutPacked) -> torch.Tensor:
+        x = super().decode(packed)
+        self.call.decoded[self.role] = weakref.ref(x)
+        return x
+
+
+class RecomputedPacked:
+    """Nothing held: the call recomputes the tensor at unpack (0 bytes)."""
+
+    __slots__ = ("call", "role")
+    nbytes = 0
+
+    def __init__(self, call: SdpaCall, role: str) -> None:
+        self.call, self.role = call, role
+
+
+class Recomputed(Codec):
+    """SDPA's output or logsumexp, recomputed from the call's decoded q, k, v."""
+
+    name = "recomputed"
+    whole_model = False
+
+    def __init__(self, call: SdpaCall, role: str) -> None:
+        self.call, self.role = call, role
+
+    def encode(self, x: torch.Tensor) -> RecomputedPacked:
+        return RecomputedPacked(self.call, self.role)
+
+    def decode(self, packed: RecomputedPacked) -> torch.Tensor:
+        out, lse = packed.call.recompute()
+        return out if packed.role == "out" else lse
