@@ -52,6 +52,13 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--mode", default=defaults.mode, choices=train.MODES,
         help="normal: plain PyTorch; others: the codec that stores cached activations")
     _add_codec_arguments(parser)
+    for flag, what in (("--include", "compress only these; default: the engine's default "
+                                     "types everywhere"),
+                       ("--exclude", "keep these exact (wins over --include)")):
+        add(flag, nargs="+", default=None, metavar="TYPE_OR_NAME",
+            help="codec modes: module types (torch.nn class names: Conv2d, BatchNorm2d, Linear) "
+                 f"and/or module names of the model (a name covers its submodules: fc, stages.0): "
+                 f"{what}")
     add("--epochs", type=int, default=defaults.epochs, help="(default %(default)s)")
     add("--batch-size", type=int, default=defaults.batch_size,
         help="global batch over all ranks (default %(default)s)")
@@ -102,9 +109,9 @@ def _json_object(value: str) -> dict:
     return options
 
 
-def _train(args: argparse.Namespace) -> int:
-    import dataclasses
-
+def _unset_codec_flags(args: argparse.Namespace) -> set[str]:
+    """The codec settings not given on the command line; a codec flag (or --include/--exclude)
+    that the mode does not use is refused."""
     from freqact import codecs, train
 
     used = [s.name for s in train.mode_settings(args.mode)]
@@ -116,6 +123,18 @@ def _train(args: argparse.Namespace) -> int:
             flags = ", ".join(_flag(name) for name in used) or "none"
             raise UsageError(f"{_flag(setting.name)}: mode {args.mode!r} does not use it (its "
                              f"settings: {flags})")
+    for name in train.SELECTORS:
+        if args.mode == "normal" and getattr(args, name) is not None:
+            raise UsageError(f"--{name}: mode 'normal' does not use it (it compresses nothing)")
+    return unset
+
+
+def _train(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from freqact import train
+
+    unset = _unset_codec_flags(args)
     if args.workers is not None:
         print("freqact train: --workers is deprecated and ignored (data are in-memory tensors)", file=sys.stderr)
     fields = {f.name for f in dataclasses.fields(train.RunConfig)} - unset

@@ -8,6 +8,8 @@ rcParams) is touched.
 """
 from __future__ import annotations
 
+import io
+import itertools
 import os
 from collections import defaultdict
 from collections.abc import Sequence
@@ -21,15 +23,19 @@ _LOW, _HIGH = "tab:blue", "tab:orange"
 
 
 def _save(fig: Figure, stem: str | os.PathLike, note: str = "") -> list[Path]:
-    """Write `fig` as stem.png and stem.pdf, with `note` as a line above the panels; return both paths."""
+    """Write `fig` as stem.png and stem.pdf (each atomically), with `note` as a line above the
+    panels; return both paths."""
     if note:
         fig.suptitle(note, fontsize=9)
     fig.tight_layout()
+    from freqact.checkpoint import atomic_write  # imports torch: only when a figure is saved
+
     stem = Path(stem)
-    stem.parent.mkdir(parents=True, exist_ok=True)
     paths = [stem.with_name(stem.name + ".png"), stem.with_name(stem.name + ".pdf")]
-    for path in paths:
-        fig.savefig(path, dpi=150, bbox_inches="tight")
+    for path in paths:  # atomically: a reader never sees half a figure
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format=path.suffix[1:], dpi=150, bbox_inches="tight")
+        atomic_write(path, buffer.getvalue())
     return paths
 
 
@@ -83,6 +89,50 @@ def lambdas_figure(rows: Sequence[dict], stem: str | os.PathLike, *, note: str =
         _layer_axis(ax, list(layers))
         ax.legend(fontsize=8)
     return _save(fig, stem, note)
+
+
+def lambdas_scatter_figure(rows: Sequence[dict], stem: str | os.PathLike, *,
+                           note: str = "") -> list[Path]:
+    """The paper's Fig. 4 as a scatter: λ^L against λ^H of every (layer, instance) pair, one
+    panel per epoch (columns) and W/N (rows), the diagonal λ^L = λ^H drawn; points above it
+    have λ^L > λ^H. Log axes; each panel's title gives the share above the diagonal.
+
+    Args:
+        rows: `analysis.lambdas` rows with "epoch", "ratio", "lam_L", "lam_H" and optionally
+            "seed" (one colour per seed).
+        stem: output path without suffix.
+        note: what the rows were measured on, drawn above the panels.
+
+    Returns:
+        [stem.png, stem.pdf].
+    """
+    _require(rows, ("epoch", "ratio", "lam_L", "lam_H"), "λ")
+    epochs = sorted({r["epoch"] for r in rows})
+    ratios = sorted({r["ratio"] for r in rows}, reverse=True)
+    seeds = list(dict.fromkeys(r.get("seed") for r in rows))
+    fig = Figure(figsize=(3.3 * len(epochs), 3.2 * len(ratios)))
+    axes = np.asarray(fig.subplots(len(ratios), len(epochs), squeeze=False))
+    positive = [v for r in rows for v in (r["lam_L"], r["lam_H"]) if v > 0]
+    span = (min(positive) / 1.5, max(positive) * 1.5) if positive else (1e-3, 1.0)
+    for (i, ratio), (j, epoch) in itertools.product(enumerate(ratios), enumerate(epochs)):
+        panel = [r for r in rows if r["ratio"] == ratio and r["epoch"] == epoch]
+        _scatter_panel(axes[i, j], panel, seeds, span)
+        above = sum(r["lam_L"] > r["lam_H"] for r in panel) / len(panel) if panel else float("nan")
+        axes[i, j].set_title(f"epoch {epoch}, W/N = {ratio:g}: λ^L > λ^H in {above:.1%}",
+                             fontsize=8)
+    if seeds != [None]:
+        axes[0, 0].legend(fontsize=7, markerscale=3, loc="upper left")
+    return _save(fig, stem, note)
+
+
+def _scatter_panel(ax, panel: Sequence[dict], seeds: Sequence, span: tuple[float, float]) -> None:
+    """λ^L (y) against λ^H (x), one colour per seed, on log axes over `span`, with the diagonal."""
+    for k, seed in enumerate(seeds):
+        mine = [r for r in panel if r.get("seed") == seed]
+        ax.scatter([r["lam_H"] for r in mine], [r["lam_L"] for r in mine], s=3, alpha=0.3,
+                   color=f"C{k}", label=None if seed is None else f"seed {seed}", rasterized=True)
+    ax.plot(span, span, "k--", linewidth=0.8)
+    ax.set(xscale="log", yscale="log", xlim=span, ylim=span, xlabel="λ^H", ylabel="λ^L")
 
 
 def theorem31_figure(rows: Sequence[dict], stem: str | os.PathLike, *,

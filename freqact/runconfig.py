@@ -6,13 +6,15 @@ config.json and checkpoints) and the training modes it names.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 from pathlib import Path
 
 import torch
 
 from freqact import _validate, codecs, data
 from freqact.codecs.settings import Setting
-from freqact.errors import UsageError
+from freqact.errors import UsageError, UsageTypeError
 
 NORMAL_TITLE = "normal training (plain PyTorch)"
 MODES = ("normal", *codecs.modes())
@@ -24,6 +26,10 @@ _HYPER = (
     Setting("weight_decay", float, 5e-4, "SGD weight decay", low=0.0, high=1.0),
 )
 OPTIMIZERS = ("sgd", "adamw")
+# include/exclude: bounded lists of torch.nn class names or qualified module names.
+SELECTORS = ("include", "exclude")
+MAX_SELECTORS = 256
+MAX_SELECTOR_CHARS = 256
 # Seeds reach torch.manual_seed as seed and seed * 65536 + rank: keep both inside 64 bits.
 SEED = Setting("seed", int, 0, "random seed", low=0, high=2**32 - 1)
 
@@ -90,6 +96,11 @@ class RunConfig(_WithCodecSettings):
             when stdout is not a terminal (a terminal gets a progress bar instead).
         fsdp: under torchrun, shard the model with FSDP2 instead of wrapping it in DDP (one
             process: no effect).
+        include, exclude: None, or a list of torch.nn module type names ("Conv2d", "BatchNorm2d")
+            and/or qualified module names of the model ("fc", "layer1.0.conv1"), passed to
+            `freqact.compress` as types and names (`selectors`); include restricts compression
+            to them, exclude keeps them exact (exclude wins). Checked against the model when the
+            run starts; unused by `normal` (and left out of its `to_dict`).
     """
 
     epochs: int = 100  # the original code's CIFAR runs (94.89 % normal, 94.72 % DIVISION)
@@ -111,6 +122,8 @@ class RunConfig(_WithCodecSettings):
     resume: bool = False
     log_every: int | None = None
     fsdp: bool = False
+    include: list[str] | None = None
+    exclude: list[str] | None = None
 
     def __post_init__(self) -> None:
         _validate.choice("dataset", self.dataset, data.DATASETS)
@@ -128,6 +141,8 @@ class RunConfig(_WithCodecSettings):
                 _validate.positive_int(name, getattr(self, name))
         self.save_epochs = sorted({_validate.positive_int("save_epochs", e)
                                    for e in self.save_epochs})
+        for name in SELECTORS:
+            setattr(self, name, _selector_list(name, getattr(self, name)))
         if self.out is None:
             self.out = str(Path("runs") / f"{self.model}-{self.dataset}-{self.mode}")
 
@@ -156,7 +171,27 @@ class RunConfig(_WithCodecSettings):
         """The plain-JSON form written to config.json and checkpoints: every field except the
         codec settings this mode does not use (a division run records no "ratio")."""
         unused = {s.name for s in codecs.mode_settings()} - set(self.codec_params())
+        if self.mode == "normal":
+            unused |= set(SELECTORS)
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in unused}
+
+    def selectors(self, model: torch.nn.Module) -> dict:
+        """`include`/`exclude` resolved against `model`, as `freqact.compress` takes them.
+
+        An entry that names a module class of `torch.nn` ("Conv2d") becomes that type (looked up
+        in the torch.nn namespace, nothing imported or evaluated); any other entry must be the
+        qualified name of a module of `model` ("fc", "layer1.0.conv1").
+
+        Returns:
+            {"include": list of types and names or None, "exclude": ...}.
+
+        Raises:
+            UsageError: naming the setting, for an entry that is neither (with close matches).
+        """
+        names = {name for name, _ in model.named_modules() if name}
+        return {key: None if getattr(self, key) is None else
+                [_selector(key, entry, names, type(model).__name__) for entry in getattr(self, key)]
+                for key in SELECTORS}
 
     def kernels(self, device: str | torch.device) -> str | None:
         """The kernel backend this run's codec resolves to on `device` ("torch", "cpu" or
@@ -165,3 +200,41 @@ class RunConfig(_WithCodecSettings):
         if self.mode == "normal":
             return None
         return codecs.get(self.mode, **self.codec_params()).backend_used(device)
+
+
+@functools.cache
+def _nn_types() -> dict[str, type]:
+    """The module classes of the torch.nn namespace by name ("Conv2d" -> nn.Conv2d)."""
+    return {name: cls for name, cls in vars(torch.nn).items()
+            if isinstance(cls, type) and issubclass(cls, torch.nn.Module)}
+
+
+def _selector_list(name: str, value: object) -> list[str] | None:
+    """include/exclude as given: None, or a non-empty bounded list of non-empty strings."""
+    if value is None:
+        return None
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+        raise UsageTypeError(f"{name}: expected a list of module type names (Conv2d, Linear, ...) "
+                             f"or module names (fc, layer1.0.conv1), got {value!r}")
+    if not items or len(items) > MAX_SELECTORS:
+        raise UsageError(f"{name}: expected 1 to {MAX_SELECTORS} module types or names, "
+                         f"got {len(items)}")
+    for item in items:
+        if not item.strip() or len(item) > MAX_SELECTOR_CHARS:
+            raise UsageError(f"{name}: expected a module type name or module name of 1 to "
+                             f"{MAX_SELECTOR_CHARS} characters, got {item[:40]!r}")
+    return list(items)
+
+
+def _selector(name: str, entry: str, modules: set[str], model: str) -> type | str:
+    """One include/exclude entry as a torch.nn type or a module name of the model."""
+    types = _nn_types()
+    if entry in types:
+        return types[entry]
+    if entry in modules:
+        return entry
+    close = difflib.get_close_matches(entry, [*sorted(modules), *types], n=3)
+    hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+    raise UsageError(f"{name}: {entry!r} is neither a torch.nn module type (Conv2d, BatchNorm2d, "
+                     f"Linear, ...) nor the name of a module of {model}{hint}")

@@ -41,10 +41,12 @@ except ImportError:  # pragma: no cover - Windows: no advisory locks, runs are n
 
 # Fields that may change when a run is resumed; all others must match the stored run. The kernel
 # backend changes like the device does (same format, another noise stream); `kernels` records it.
+# `layer_windows` is derived from settings that must match (runs before it existed lack it).
 RESUMABLE_CHANGES = ("device", "out", "resume", "save_epochs", "save_every", "download",
-                     "data_dir", "log_every", "backend", "kernels")
+                     "data_dir", "log_every", "backend", "kernels", "layer_windows")
 # Settings added after runs were written: what a stored config without them trained with.
-ADDED_SETTINGS = {"optimizer": "sgd", "model_options": {}}
+ADDED_SETTINGS = {"optimizer": "sgd", "model_options": {}, "window_rule": "nearest",
+                  "include": None, "exclude": None}
 METRIC_COLUMNS = (
     "epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time_s",
     "images_per_s", "saved_bytes", "exact_bytes", "compression_ratio", "cuda_peak_bytes",

@@ -153,6 +153,7 @@ def expand(spec: dict, out: str | os.PathLike | None = None, *, data_dir: str | 
     extra = {"resume": True, **({"data_dir": data_dir} if data_dir is not None else {}),
              **({"download": True} if download else {})}
     runs = tuple(_runs(variants, grid, group_fields, out, extra))
+    _check_selectors(runs)
     return Study(name, str(spec.get("description", "")), out, group_fields, runs)
 
 
@@ -171,6 +172,32 @@ def _runs(variants: list[tuple[str, dict]], grid: dict, group_fields: tuple[str,
             run_dir = out.joinpath(_slug(label), *(f"{k}-{_slug(str(v))}" for k, v in group),
                                    f"seed-{config.seed}")
             yield Run(label, group, dataclasses.replace(config, out=str(run_dir)))
+
+
+def _check_selectors(runs: Sequence[Run]) -> None:
+    """Check every run's include/exclude against its model (built once per model on the meta
+    device, so nothing is allocated), before anything runs."""
+    import torch
+
+    from freqact import checkpoint, data
+
+    checked: set[str] = set()
+    for run in runs:
+        config = run.config
+        if config.mode == "normal" or (config.include is None and config.exclude is None):
+            continue
+        key = repr((config.model, config.dataset, config.model_options, config.include,
+                    config.exclude))
+        if key in checked:
+            continue
+        checked.add(key)
+        with torch.device("meta"):
+            model = checkpoint.build_model(config.model, data.num_classes(config.dataset),
+                                           config.model_options)
+        try:
+            config.selectors(model)
+        except ValueError as err:
+            raise type(err)(f"variant {run.label!r}: {err}") from err
 
 
 def _check_count(variants: int, grid: dict) -> None:

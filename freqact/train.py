@@ -72,11 +72,12 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
-from freqact import _validate, checkpoint, data, distributed, engine, evaluation, models, rundir
+from freqact import _validate, checkpoint, codecs, data, distributed, engine, evaluation, models, rundir
+from freqact.analysis import common as analysis_common
 
 # Re-exported: `train.RunConfig`, `train.evaluate` etc. stay where callers have always found them.
 from freqact.evaluation import cross_entropy, evaluate, evaluate_checkpoint  # noqa: F401
-from freqact.runconfig import MODES, NORMAL_TITLE, OPTIMIZERS, SEED, RunConfig, mode_settings, mode_title  # noqa: F401
+from freqact.runconfig import MODES, NORMAL_TITLE, OPTIMIZERS, SEED, SELECTORS, RunConfig, mode_settings, mode_title  # noqa: F401
 
 # Re-exported: the run directory owns them (`freqact.rundir`).
 RESUMABLE_CHANGES = rundir.RESUMABLE_CHANGES
@@ -125,6 +126,7 @@ class _Trainer:
     aug_gen: torch.Generator
     sampler: DistributedSampler
     stored_config: dict
+    selectors: dict  # include/exclude resolved against net, as `engine.compress` takes them
     metrics: list = dataclasses.field(default_factory=list)
     start_epoch: int = 0
     saved: list = dataclasses.field(default_factory=list)
@@ -168,11 +170,13 @@ def _setup(config: RunConfig, ctx: distributed.Context, model: torch.nn.Module |
         config.model, num_classes, config.model_options)
     torch.manual_seed(config.seed + ctx.rank)  # then per-rank streams for dropout / codec noise
     net.to(ctx.device)
+    selectors = config.selectors(net)  # a bad --include/--exclude fails before data are loaded
     if ctx.is_main and config.download:  # one rank downloads, the others wait and then read
         data.load_for_model(config.dataset, net, config.data_dir, download=True)
     distributed.barrier(ctx)
     ds = data.load_for_model(config.dataset, net, config.data_dir, subset=config.subset,
                              seed=config.seed, device=ctx.device)
+    windows = _layer_windows(net, config, selectors, data.model_inputs(ds, ds.train_images[:2], net))
     ddp = distributed.wrap(net, ctx, fsdp=config.fsdp, blocks=models.BLOCK_TYPES)
     # after wrap: FSDP2 replaces the parameters by their shards
     optimizer = _optimizer(net, config)
@@ -184,8 +188,8 @@ def _setup(config: RunConfig, ctx: distributed.Context, model: torch.nn.Module |
         DistributedSampler(range(len(ds.train_labels)), num_replicas=ctx.world_size,
                            rank=ctx.rank, shuffle=True, seed=config.seed),
         {**config.to_dict(), "num_classes": num_classes, "world_size": ctx.world_size,
-         "kernels": config.kernels(ctx.device)},
-        saved=[str(p) for p in run.epoch_checkpoints()])
+         "kernels": config.kernels(ctx.device), **({"layer_windows": windows} if windows else {})},
+        selectors, saved=[str(p) for p in run.epoch_checkpoints()])
 
 
 def _optimizer(net: torch.nn.Module, config: RunConfig) -> torch.optim.Optimizer:
@@ -230,7 +234,7 @@ def _epoch(state: _Trainer, epoch: int) -> dict:
     config, ctx = state.config, state.ctx
     state.sampler.set_epoch(epoch)
     row = _train_epoch(config, ctx, state.ddp, state.net, state.ds, list(state.sampler),
-                       state.optimizer, state.scaler, state.aug_gen, epoch)
+                       state.optimizer, state.scaler, state.aug_gen, epoch, state.selectors)
     row["lr"] = state.scheduler.get_last_lr()[0]
     state.scheduler.step()
     test = evaluation.summarise(distributed.all_reduce_sum(
@@ -334,7 +338,8 @@ class _Interrupts:
             raise Interrupted(self._pending, self.epoch)
 
 
-def _train_epoch(config, ctx, ddp, net, ds, order, optimizer, scaler, aug_gen, epoch) -> dict:
+def _train_epoch(config, ctx, ddp, net, ds, order, optimizer, scaler, aug_gen, epoch,
+                 selectors) -> dict:
     """One pass over this rank's `order` of training indices; returns the epoch's metrics."""
     per_rank = config.batch_size // ctx.world_size
     steps = (len(order) + per_rank - 1) // per_rank
@@ -351,7 +356,7 @@ def _train_epoch(config, ctx, ddp, net, ds, order, optimizer, scaler, aug_gen, e
         x = data.model_inputs(ds, ds.train_images[idx], net, aug_gen if ds.augment else None)
         y = ds.train_labels[idx]
         autocast = torch.autocast(ctx.device.type, amp_dtype, enabled=config.amp)
-        with _compressing(net, config) as step_meter, autocast:
+        with _compressing(net, config, selectors) as step_meter, autocast:
             logits = ddp(x)
             loss = evaluation.cross_entropy(logits, y)
         if step == 0:  # a full batch (the last one may be short): what one step holds
@@ -408,11 +413,52 @@ class _Progress:
         self.bar.close()
 
 
-def _compressing(net: torch.nn.Module, config: RunConfig):
-    """The context the training forward runs in: none for `normal`, else the mode's codec."""
+def _compressing(net: torch.nn.Module, config: RunConfig, selectors: dict):
+    """The context the training forward runs in: none for `normal`, else the mode's codec on
+    the modules `selectors` (include/exclude) leave in."""
     if config.mode == "normal":
         return contextlib.nullcontext()
-    return engine.compress(net, config.mode, **config.codec_params())
+    return engine.compress(net, config.mode, **selectors, **config.codec_params())
+
+
+def _layer_windows(net: torch.nn.Module, config: RunConfig, selectors: dict,
+                   x: torch.Tensor) -> list[dict] | None:
+    """The windows W a spectral mode keeps for each module input it compresses (config.json's
+    "layer_windows"); None for the other modes.
+
+    One eval-mode forward of `x` (two training inputs) under the run's `compress` block, RNG
+    and BatchNorm statistics restored: the meter says which modules' inputs went through the
+    codec (include/exclude and declined (N, F) inputs included), a pre-hook their shapes.
+
+    Returns:
+        [{"layer", "type", "shape" (the input's, batch dim first), "windows": [W_d per map dim]}]
+        in call order.
+    """
+    if config.mode == "normal":
+        return None
+    codec = codecs.get(config.mode, **config.codec_params())
+    if not callable(getattr(codec, "windows", None)):  # only the spectral codecs keep windows
+        return None
+    shapes: dict[str, list[int]] = {}
+
+    def hook_for(name: str):
+        def hook(module, args):
+            if args and isinstance(args[0], torch.Tensor):
+                shapes.setdefault(name, list(args[0].shape))
+        return hook
+
+    handles = [m.register_forward_pre_hook(hook_for(n)) for n, m in net.named_modules()]
+    try:
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), \
+                analysis_common.scratch_state(net, train=False), \
+                engine.compress(net, codec, **selectors) as meter:
+            net(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [{"layer": row.layer, "type": row.type, "shape": shapes[row.layer],
+             "windows": list(codec.windows(shapes[row.layer]))}
+            for row in meter.per_layer() if codec.name in row.routes and row.layer in shapes]
 
 
 

@@ -42,18 +42,23 @@ def _pooling_rows():
         (plots.theorem31_figure, _theorem_rows()),
         (plots.theorem31_figure, _theorem_rows(end_to_end=False)),
         (plots.pooling_figure, _pooling_rows()),
+        (plots.lambdas_scatter_figure, [{**r, "ratio": q, "seed": s} for r in _lambda_rows()
+                                        for q in (0.2, 0.1) for s in (0, 1)]),
+        (plots.lambdas_scatter_figure, [{**r, "ratio": 0.2} for r in _lambda_rows()]),  # no seed
     ],
 )
 def test_figures_write_png_and_pdf_without_global_state(tmp_path, draw, rows):
     params, backend = copy.deepcopy(dict(matplotlib.rcParams)), matplotlib.get_backend()
     paths = draw(rows, tmp_path / "sub" / "fig")
     assert [p.name for p in paths] == ["fig.png", "fig.pdf"]
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["fig.pdf", "fig.png"]  # no temps
     assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert paths[1].read_bytes()[:5] == b"%PDF-"
     assert dict(matplotlib.rcParams) == params and matplotlib.get_backend() == backend
 
 
-@pytest.mark.parametrize("draw", [plots.lambdas_figure, plots.theorem31_figure, plots.pooling_figure])
+@pytest.mark.parametrize("draw", [plots.lambdas_figure, plots.theorem31_figure, plots.pooling_figure,
+                                  plots.lambdas_scatter_figure])
 def test_figures_refuse_empty_or_foreign_tables(tmp_path, draw):
     with pytest.raises(ValueError, match="rows"):
         draw([], tmp_path / "fig")

@@ -317,3 +317,16 @@ def test_a_run_another_process_is_writing_fails_alone_and_is_left_alone(tmp_path
     assert "in use by another freqact process" in outcome["failed"][0][1]
     assert not (busy / "error.log").exists() and not (busy / "ckpt").exists()
     assert outcome["rows"][1]["seeds"] == 1  # the other run trained
+
+
+def test_include_exclude_in_specs_are_checked_against_the_model_up_front(tmp_path):
+    variants = [{"label": "normal", "mode": "normal"},
+                {"label": "lfc", "mode": "lfc", "ratio": 0.2, "include": ["Linear"],
+                 "exclude": ["layers.0"]}]
+    study = sweep.expand(_spec(variants=variants), tmp_path)
+    assert [r.config.to_dict().get("include") for r in study.runs] == [None, ["Linear"]]
+    bad = [variants[0], {**variants[1], "exclude": ["layers.9"]}]
+    with pytest.raises(ValueError, match=r"variant 'lfc': exclude: 'layers.9' is neither .*module of MLP"):
+        sweep.expand(_spec(variants=bad), tmp_path)
+    with pytest.raises(ValueError, match=r"variant 'lfc': include: expected 1 to 256"):
+        sweep.expand(_spec(variants=[variants[0], {**variants[1], "include": []}]), tmp_path)

@@ -218,3 +218,91 @@ def test_progress_lines_off_a_terminal_every_tenth_of_an_epoch_or_log_every(tmp_
     with pytest.raises(ValueError, match="log_every"):
         _config(tmp_path, log_every=0)
     assert cli.build_parser().parse_args(["train", "--log-every", "5"]).log_every == 5
+
+
+# ---- include/exclude and the recorded windows -----------------------------------------------------
+
+def test_include_exclude_resolve_to_torch_nn_types_and_module_names():
+    config = train.RunConfig(mode="lfc", ratio=0.2, include=["Conv2d", "fc"], exclude="bn")
+    assert config.exclude == ["bn"]  # one name is a list of one
+    assert config.selectors(_tiny()) == {"include": [nn.Conv2d, "fc"], "exclude": ["bn"]}
+    assert "include" not in train.RunConfig(include=["Conv2d"]).to_dict()  # normal: unused
+    assert train.RunConfig(mode="lfc", ratio=0.2, include=["Conv2d"]).to_dict()["include"] == ["Conv2d"]
+
+
+@pytest.mark.parametrize("value, error, match", [
+    (["Conv2D"], ValueError, r"include: 'Conv2D' is neither a torch.nn module type .*did you mean 'Conv2d'"),
+    (["layer1.0.conv1"], ValueError, "include: 'layer1.0.conv1' is neither .* module of Tiny"),
+    (["os.system"], ValueError, "include: 'os.system' is neither"),
+    ([], ValueError, "include: expected 1 to 256"),
+    ([""], ValueError, "include: expected a module type name or module name"),
+    (["x" * 300], ValueError, "include: expected a module type name or module name of 1 to 256"),
+    ([nn.Conv2d], TypeError, "include: expected a list of module type names"),
+    (3, TypeError, "include: expected a list"),
+])
+def test_bad_include_is_refused_before_anything_is_written(tmp_path, value, error, match):
+    with pytest.raises(error, match=match):
+        train.train(_config(tmp_path, mode="lfc", ratio=0.5, include=value), model=_tiny())
+    assert not (tmp_path / "run" / "config.json").exists()
+
+
+@pytest.mark.parametrize("rule", ["nearest", "official"])
+def test_spectral_runs_record_the_windows_of_the_inputs_they_compress(tmp_path, rule):
+    """W per compressed input in config.json: both rules (they differ at 0.3 on 8x8 maps), and
+    include/exclude change which inputs are listed (the classifier's (N, 32) input never is)."""
+    from freqact import dct
+
+    want = list(dct.windows((8, 8), 0.3, rule=rule))
+    cases = {"default": {}, "convs": {"include": ["Conv2d"]}, "no-conv": {"exclude": ["conv"]}}
+    listed, saved = {}, {}
+    for case, selectors in cases.items():
+        results = train.train(_config(tmp_path, mode="hfc", ratio=0.3, window_rule=rule,
+                                      out=str(tmp_path / case), **selectors), model=_tiny())
+        stored = json.loads((tmp_path / case / "config.json").read_text())
+        assert all(row["windows"] == want and row["shape"][1:] == [3 if row["type"] == "Conv2d"
+                                                                    else 8, 8, 8]
+                   for row in stored["layer_windows"])
+        listed[case] = [row["layer"] for row in stored["layer_windows"]]
+        saved[case] = results["final"]["saved_bytes"]
+    assert listed == {"default": ["conv", "bn"], "convs": ["conv"], "no-conv": ["bn"]}
+    assert saved["no-conv"] > saved["default"]  # the conv input is then held whole
+
+
+def test_non_spectral_runs_record_no_windows_and_old_configs_still_resume(tmp_path):
+    from freqact import rundir
+
+    train.train(_config(tmp_path, mode="division"), model=_tiny())
+    assert "layer_windows" not in json.loads((tmp_path / "run" / "config.json").read_text())
+    # an lfc run written before window_rule, include/exclude and layer_windows existed
+    train.train(_config(tmp_path, mode="lfc", ratio=0.5, out=str(tmp_path / "old")), model=_tiny())
+    stored = json.loads((tmp_path / "old" / "config.json").read_text())
+    old = {k: v for k, v in stored.items()
+           if k not in ("window_rule", "include", "exclude", "layer_windows")}
+    rundir.check_resumable(old, stored, "old")  # read as nearest, no include/exclude
+    with pytest.raises(ValueError, match="window_rule: 'nearest' -> 'official'"):
+        rundir.check_resumable(old, {**stored, "window_rule": "official"}, "old")
+    with pytest.raises(ValueError, match=r"include: None -> \['Conv2d'\]"):
+        rundir.check_resumable(old, {**stored, "include": ["Conv2d"]}, "old")
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--mode", "normal", "--include", "Conv2d"], "--include: mode 'normal' does not use it"),
+    (["--mode", "normal", "--exclude", "fc"], "--exclude: mode 'normal' does not use it"),
+    (["--mode", "lfc", "--ratio", "0.2", "--include", "Conv2D"], "include: 'Conv2D' is neither"),
+    (["--mode", "hfc", "--ratio", "0.2", "--exclude", "head"], "exclude: 'head' is neither"),
+])
+def test_cli_bad_include_exclude_exit_2_with_one_line(tmp_path, capsys, argv, match):
+    code = cli.main(["train", "--model", "mlp", "--dataset", "synthetic", "--out",
+                     str(tmp_path / "run"), "--device", "cpu", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and match in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_include_exclude_reach_config_json(tmp_path):
+    out = tmp_path / "run"
+    assert cli.main(["train", "--model", "mlp", "--dataset", "synthetic", "--mode", "division",
+                     "--epochs", "1", "--subset", "32", "--batch-size", "32", "--out", str(out),
+                     "--device", "cpu", "--save-epochs", "--include", "Linear",
+                     "--exclude", "layers.0"]) == 0
+    stored = json.loads((out / "config.json").read_text())
+    assert stored["include"] == ["Linear"] and stored["exclude"] == ["layers.0"]

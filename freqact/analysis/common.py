@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import io
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from freqact import _validate, data
+from freqact.checkpoint import atomic_write
 from freqact.kernels import format
 from freqact.models import BLOCK_TYPES
 from freqact.rundir import RunDir
@@ -188,12 +190,12 @@ def eval_batch(
 
 
 def write_csv(rows: Sequence[dict], path: str | os.PathLike) -> Path:
-    """Write a list of dicts as CSV (columns: the union of keys in first-seen order)."""
+    """Write a list of dicts as CSV, atomically (columns: the union of keys in first-seen order)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     columns = list(dict.fromkeys(key for row in rows for key in row))
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write(path, text.getvalue().encode("utf-8"))
     return path
