@@ -85,6 +85,35 @@ def test_seeded_encode_same_bytes_eager_op_and_compiled():
         K.division_encode(x, 4, 2, seed=-1)
 
 
+def test_pack_bits_layout_of_the_mask_kernel():
+    from freqact.engine import compiled
+
+    for n in (64, 61, 8 * 4096 + 3):  # padded tails too
+        mask = torch.rand(n) > 0.5
+        bits = compiled.pack_bits(mask.view(1, -1))
+        assert torch.equal(bits, K.pack_mask(mask.float(), 0.5, backend="torch"))
+        assert torch.equal(compiled.unpack_bits(bits, (1, n)), mask.view(1, -1))
+
+
+def test_graph_relu_output_keeps_exact_signs():
+    # ReLU's backward reads `out > 0` from the saved output: the decoded output must give the
+    # same mask bit for bit (zeros exactly zero, the rest > 0), so its gradient mask is exact.
+    from types import SimpleNamespace
+
+    from torch._functorch._aot_autograd import graph_compile
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from freqact.engine import compiled
+
+    pack, unpack = compiled.graph_hooks(compiled.GraphCodec("division", 4, 2, BACKEND))
+    x = torch.randn(2, 8, 16, 16).relu()
+    relu = SimpleNamespace(target=torch.ops.aten.relu.default, name="relu")
+    with graph_compile._saved_tensor_hook_context({"_node": relu}):
+        graph = make_fx(lambda t: unpack(pack(t)), tracing_mode="fake")(x)
+    out = graph(x)
+    assert torch.equal(out > 0, x > 0) and torch.equal(out == 0, x == 0)
+
+
 def test_graph_hooks_traced_round_trip():
     # The hook graphs as AOTAutograd traces them (fake tensors), run on real ones: no Inductor.
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -98,8 +127,10 @@ def test_graph_hooks_traced_round_trip():
         return graph, {n.target for n in graph.graph.nodes if n.op == "call_function"}
 
     mask = torch.randn(2, 64, 64) > 0  # Inductor's saved ReLU masks: 1 bit each, lossless
+    bits, shape = make_fx(pack, tracing_mode="fake")(mask)(mask)
+    assert bits.dtype == torch.uint8 and bits.numel() == mask.numel() // 8
     graph, ops = traced(mask)
-    assert OPS.pack_mask.default in ops and torch.equal(graph(mask), mask)
+    assert torch.equal(graph(mask), mask)
     x = torch.randn(2, 8, 16, 16)
     graph, ops = traced(x)
     assert OPS.division_encode.default in ops and OPS.division_decode.default in ops
@@ -107,7 +138,7 @@ def test_graph_hooks_traced_round_trip():
     assert out.shape == x.shape and 0 < float((out - x).abs().max()) < float(x.abs().max())
     small = torch.randn(2, 3, 4)  # under the threshold: kept, no op in the graph
     graph, ops = traced(small)
-    assert not ops & {OPS.division_encode.default, OPS.pack_mask.default}
+    assert OPS.division_encode.default not in ops
     assert torch.equal(graph(small), small)
 
 
@@ -152,15 +183,30 @@ def test_compiled_division_holds_the_eager_codec_bytes(monkeypatch):
     exact = _grads(compiled, x)
     spy = _Spy(monkeypatch)
     model.zero_grad(set_to_none=True)
-    with freqact.compress(compiled, "division", block=4, bits=2):
+    with freqact.compress(compiled, "division", block=4, bits=2) as meter:
         out = compiled(x)
     # encoded in the forward, nothing decoded before backward: the graph holds the packed form
     assert len(spy.encoded) >= 1 and not spy.decoded
+    node = out.grad_fn
+    while type(node).__name__ != "CompiledFunctionBackward":
+        node = node.next_functions[0][0]
+    weights = {p.shape: p for p in model.parameters() if p.dim() == 4}
+    # no channels-last copy of a weight is held (Inductor's layout optimization is off)
+    assert all(t.untyped_storage().data_ptr() == weights[t.shape].untyped_storage().data_ptr()
+               for t in node.saved_tensors if t.shape in weights)
     out.square().sum().backward()
     assert len(spy.decoded) == len(spy.encoded)
     monkeypatch.undo()  # the eager encodes below must not be recorded
     first_conv = model[0](x)
     assert any(torch.allclose(xs, first_conv, atol=1e-5) for xs, _, _ in spy.encoded)
+    # the meter's rows: the first conv's output, its division bytes against its own
+    rows = {row.layer: row for row in meter.per_layer()}
+    assert rows["0"].routes == ("division",) and rows["2"].routes == ("relu-mask",)
+    coded = K.division_encode(first_conv, 4, 2, seed=0, backend="cpu")
+    assert rows["0"].exact_bytes == first_conv.nbytes
+    assert rows["0"].saved_bytes == sum(getattr(coded, n).nbytes for n in
+                                        ("lfc", "lo", "step", "codes"))
+    assert meter.saved_bytes < meter.exact_bytes == sum(r.exact_bytes for r in rows.values())
     for xs, seed, parts in spy.encoded:
         want = K.division_encode(xs, 4, 2, seed=seed, backend="cpu")
         assert all(torch.equal(p, getattr(want, n)) for p, n in

@@ -12,7 +12,7 @@ from torch import nn
 from freqact import codecs as _codecs
 from freqact.codecs import base as _codec_base
 from freqact.codecs.base import Codec
-from freqact.engine import compiled
+from freqact.engine import compiled, graph_meter
 from freqact.engine.meter import Meter
 from freqact.engine.params import ParamIndex, is_fsdp_unit
 from freqact.engine.routes import (
@@ -261,6 +261,8 @@ class _Compress:
         if self._graph is not None:  # a compiled model: the codec runs inside its graphs
             self._hooks = compiled.installed(self._graph)
             self._hooks.__enter__()
+            self._handles.append(graph_meter.attach(self.model, graph_meter.Charger(
+                self.meter, type(getattr(self.model, "_orig_mod", self.model)).__name__)))
             return
         for site in self._sites:
             try:

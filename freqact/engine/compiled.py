@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import sys
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from freqact.codecs.base import Codec, Exact, ExactPacked
+from freqact.engine import graph_meter
 
 __all__ = ["GRAPH_CODECS", "THRESHOLD", "GraphCodec", "graph_hooks", "installed", "is_compiled",
            "spec_for"]
@@ -146,32 +148,64 @@ def _graph_pack(t: torch.Tensor, name: str, block: int, bits: int, backend: str,
         if spec.compresses(t) and not _leaf_or_view_of_leaf(t):
             return _eager_codec(spec).encode(t)
         return _EXACT.encode(t)
+    context = _hook_context()
+    packed, route = _traced_pack(spec, t, context)
+    graph_meter.plan(context, t, packed, route)
+    return packed
+
+
+def _traced_pack(spec: GraphCodec, t: torch.Tensor, context: dict | None):
+    """(packed form, route name) of a traced saved tensor (see `_graph_pack`)."""
     if spec.packs_bits(t):
-        # bf16: the smallest floating type the mask op reads (a transient copy in the epilogue)
-        return (torch.ops.freqact.pack_mask(t.to(torch.bfloat16), 0.5, None, backend),
-                tuple(t.shape))
+        return (pack_bits(t), tuple(t.shape)), "mask"
     if not spec.compresses(t):
-        return t
+        return t, "kept"
     # A tensor seed, drawn in the graph: each step encodes with fresh noise.
     seed = torch.randint(2**62, (), dtype=torch.int64)
-    parts = torch.ops.freqact.division_encode(t, block, bits, None, seed, backend)
-    if _saved_relu_output():
+    parts = torch.ops.freqact.division_encode(t, spec.block, spec.bits, None, seed,
+                                              spec.backend)
+    node = context.get("_node") if context else None
+    if getattr(node, "target", None) is torch.ops.aten.relu.default:
         # ReLU's backward reads the sign of what it saved: keep it exact as 1 bit (the eager
         # routes' relu-mask), the values for the next op's backward in the division form.
-        return (*parts, tuple(t.shape), t.dtype, torch.ops.freqact.pack_mask(t, 0.0, None,
-                                                                             backend))
-    return (*parts, tuple(t.shape), t.dtype)
+        return (*parts, tuple(t.shape), t.dtype, pack_bits(t > 0)), "relu-mask"
+    return (*parts, tuple(t.shape), t.dtype), "division"
 
 
-def _saved_relu_output() -> bool:
-    """Whether the saved tensor being traced is a ReLU's output, from the graph node AOTAutograd
-    describes to the hooks (a torch-internal context; without it, False)."""
+def _hook_context() -> dict | None:
+    """The graph context AOTAutograd gives the hooks for the saved node being traced (a
+    torch-internal API: `_node`, `_fw_graph`, `_bw_graph`; None without it)."""
     from torch._functorch._aot_autograd import graph_compile
 
     get = getattr(graph_compile, "_get_saved_tensor_hook_context", None)
-    context = get() if get is not None else None
-    node = context.get("_node") if context else None
-    return getattr(node, "target", None) is torch.ops.aten.relu.default
+    return get() if get is not None else None
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean tensor as 1 bit per element in plain aten ops (Inductor fuses them with the op
+    that makes the mask): the layout of `freqact.kernels.pack_mask`, element i (logical order) at
+    bit i % 8 of byte i // 8.
+
+    Args:
+        mask: bool tensor, any shape.
+
+    Returns:
+        uint8 (ceil(mask.numel() / 8),).
+    """
+    flat = mask.reshape(-1).to(torch.uint8)
+    pad = -flat.numel() % 8
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
+    return (flat.view(-1, 8) << shifts).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Inverse of `pack_bits`: the bool (shape) tensor."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    bits = (packed.unsqueeze(1) >> shifts) & 1
+    n = math.prod(shape)
+    return bits.reshape(-1)[:n].view(shape).to(torch.bool)
 
 
 def _graph_unpack(packed, name: str, block: int, bits: int, backend: str, threshold: int):
@@ -183,18 +217,14 @@ def _graph_unpack(packed, name: str, block: int, bits: int, backend: str, thresh
         codec = _EXACT if isinstance(packed, ExactPacked) else _eager_codec(spec)
         return codec.decode(packed)
     if len(packed) == 2:  # a boolean mask
-        bits, shape = packed
-        return torch.ops.freqact.unpack_mask(bits, list(shape), torch.bfloat16, 0.0, 1.0,
-                                             backend).to(torch.bool)
+        return unpack_bits(*packed)
     lfc, lo, step, codes, shape, dtype, *positive = packed
     x = torch.ops.freqact.division_decode(lfc, lo, step, codes, list(shape), dtype, block, bits,
                                           backend)
     if not positive:
         return x
     # a ReLU output: exactly zero where it was, strictly positive elsewhere
-    mask = torch.ops.freqact.unpack_mask(positive[0], list(shape), torch.bfloat16, 0.0, 1.0,
-                                         backend)
-    return torch.where(mask.to(torch.bool), x.clamp_min(torch.finfo(dtype).tiny), 0.0)
+    return torch.where(unpack_bits(positive[0], shape), x.clamp_min(torch.finfo(dtype).tiny), 0.0)
 
 
 @functools.cache
@@ -224,9 +254,25 @@ def graph_hooks(spec: GraphCodec) -> tuple[torch.fx.GraphModule, torch.fx.GraphM
 
 @contextlib.contextmanager
 def installed(spec: GraphCodec):
-    """Install spec's graph-level hooks, with AOTAutograd's "donated" filtering (only graph
-    intermediates get hooks: parameters and inputs stay as they are), for the block."""
+    """Install spec's graph-level hooks for the block.
+
+    With AOTAutograd's "donated" filtering (only graph intermediates get hooks: parameters and
+    inputs stay as they are). Under division also, for the graphs compiled inside the block:
+    Inductor's layout optimization off (it saves a channels-last copy of every conv weight and of
+    the batch for backward, 43 MB on ResNet-18, that no hook sees) and the backward compiled at
+    once (inside the block, so with the same setting); `exact` leaves the graphs as compiled
+    normal training has them. No AOTAutograd cache: the pack hook must trace for the meter's
+    plans (`graph_meter`).
+    """
     pack, unpack = graph_hooks(spec)
-    with (torch._functorch.config.patch(saved_tensors_hooks_filtering_mode="donated"),
-          torch.autograd.graph.saved_tensors_hooks(pack, unpack)):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch._functorch.config.patch(
+            saved_tensors_hooks_filtering_mode="donated", enable_autograd_cache=False))
+        if spec.name == "division":
+            from torch._inductor import config as inductor
+
+            stack.enter_context(inductor.patch(layout_optimization=False))
+            stack.enter_context(torch._functorch.config.patch(
+                force_non_lazy_backward_lowering=True))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
         yield

@@ -1,0 +1,143 @@
+"""The meter for compiled models: rows from the saved tensors of each compiled graph.
+
+Inside a compiled graph no Python runs per saved tensor, so the rows are planned when
+AOTAutograd inlines the pack hook (`plan`: per saved node, the module that made it, from the
+node's `nn_module_stack`, the route, the packed form's bytes and the plain tensor's bytes, all from
+the fake tensors' shapes) and charged each time the graph runs: after each forward of the compiled
+model inside the block (`Charger`), its output's autograd graph is searched for compiled-graph
+nodes, and each node's plan is charged once. Graph inputs (parameters, the batch) are not in the
+plans (the hooks never see them, and they are not activation memory); a tensor saved by a graph
+that runs eagerly past a graph break is charged to the model's row.
+"""
+from __future__ import annotations
+
+import re
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from freqact.engine.meter import Meter
+
+__all__ = ["Charger", "PlanRow", "plan"]
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One saved node of a compiled forward graph, as the meter charges it.
+
+    Attributes:
+        layer, type: the module that made the node ("" and the model's type when unknown).
+        route: "division", "relu-mask" (a ReLU output: division and a 1-bit sign mask), "mask"
+            (a boolean mask held as bits) or "kept".
+        saved_bytes: bytes of the packed form; exact_bytes: bytes of the tensor itself.
+    """
+
+    layer: str
+    type: str
+    route: str
+    saved_bytes: int
+    exact_bytes: int
+
+
+# backward graph -> {saved node name: PlanRow}; a compiled graph is found by its backward graph
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _module_of(node: torch.fx.Node) -> tuple[str, str]:
+    """(qualified name, class name) of the innermost module that made node ("", "" if none)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    if not stack:
+        return "", ""
+    path, cls = list(stack.values())[-1]
+    # dynamo's source path: L['self'].layer1[0].conv1, L['fn']._modules['0'] -> layer1.0.conv1
+    path = re.sub(r"^L\['[^']*'\]", "", path)
+    path = re.sub(r"(?:\._modules)?\['([^']*)'\]|\[(\d+)\]", lambda m: "." + (m[1] or m[2]), path)
+    return path.lstrip("."), getattr(cls, "__name__", str(cls))
+
+
+def _nbytes(value) -> int:
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value)
+               if isinstance(t, torch.Tensor))
+
+
+def plan(context: dict | None, t: torch.Tensor, packed, route: str) -> None:
+    """Record, while AOTAutograd inlines the pack hook, how saved node context["_node"] is held.
+
+    Args:
+        context: AOTAutograd's description of the saved node (`_node`, `_bw_graph`), or None.
+        t: the saved (fake) tensor; packed: what the pack hook returns for it; route: its name.
+    """
+    if not context or "_bw_graph" not in context:
+        return
+    node = context["_node"]
+    layer, type_name = _module_of(node)
+    held = _nbytes(packed) if route != "kept" else _nbytes(t)
+    rows = _PLANS.setdefault(context["_bw_graph"], {})
+    rows[node.name] = PlanRow(layer, type_name, route, held, _nbytes(t))
+
+
+def _plan_of(node) -> dict | None:
+    """The plan of the compiled graph whose autograd node this is (None for other nodes)."""
+    info = getattr(getattr(node, "_forward_cls", None), "_lazy_backward_info", None)
+    module = getattr(info, "bw_module", None)
+    return _PLANS.get(module.graph) if module is not None else None
+
+
+class Charger:
+    """Charges the plans of the compiled graphs each forward ran to a meter.
+
+    Attributes:
+        meter: the block's meter; model_type: the model's class name (rows without a module).
+    """
+
+    def __init__(self, meter: Meter, model_type: str) -> None:
+        self.meter, self.model_type = meter, model_type
+        self._seen: set = set()  # autograd nodes already charged in this block
+
+    def __call__(self, output) -> None:
+        """Charge the compiled graphs behind output (a forward's result, any nesting)."""
+        stack = [t.grad_fn for t in pytree.tree_leaves(output)
+                 if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node is None or node in self._seen:
+                continue
+            self._seen.add(node)
+            rows = _plan_of(node)
+            for row in (rows or {}).values():
+                layer, type_name = (row.layer, row.type) if row.type else ("", self.model_type)
+                self.meter._record(layer, type_name, row.route)
+                self.meter._charge(layer, type_name, row.route, row.saved_bytes, row.exact_bytes)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+
+
+def attach(model: nn.Module, charger: Charger):
+    """Run charger on each output of compiled `model` until the returned handle is removed.
+
+    `torch.compile(model)` runs its forward hooks eagerly, outside the graph; `model.compile()`
+    traces the model's own hooks, so there its compiled call is wrapped instead.
+    """
+    if getattr(model, "_compiled_call_impl", None) is None:  # an OptimizedModule
+        return model.register_forward_hook(lambda module, args, output: charger(output))
+    inner = model._compiled_call_impl
+
+    def call(*args, **kwargs):
+        output = inner(*args, **kwargs)
+        charger(output)
+        return output
+
+    model._compiled_call_impl = call
+    return _Restore(model, inner)
+
+
+class _Restore:
+    """A handle putting back model.compile()'s compiled call."""
+
+    def __init__(self, model: nn.Module, inner) -> None:
+        self.model, self.inner = model, inner
+
+    def remove(self) -> None:
+        self.model._compiled_call_impl = self.inner
