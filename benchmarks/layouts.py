@@ -197,8 +197,8 @@ def classify(t: torch.Tensor, func: str, args: tuple, module: nn.Module | None,
     """(route, view (M, T, F), back-function) for a saved tensor, or None (kept exact).
 
     Under the MATH attention backend, SDPA's (N, heads, T, T) tensors are the probabilities
-    and its 3D ones the scaled q, k^T and v its matmuls save (`math_qkv`, k^T read transposed); otherwise every 4D tensor
-    SDPA saves is q, k, v or out: `sdpa_qk` if it is the call's q or k argument, `sdpa_v` if
+    and its 3D ones the scaled q, k^T and v its matmuls save (`math_qkv`, k^T read transposed);
+    otherwise every 4D tensor SDPA saves is q, k, v or out: `sdpa_qk` if it is the call's q or k argument, `sdpa_v` if
     it is its v, else `sdpa_o` (the output).
     """
     if func == "scaled_dot_product_attention" and t.dim() == 3 and math_attention:
