@@ -256,7 +256,7 @@ def test_spectral_runs_record_the_windows_of_the_inputs_they_compress(tmp_path, 
     cases = {"default": {}, "convs": {"include": ["Conv2d"]}, "no-conv": {"exclude": ["conv"]}}
     listed, saved = {}, {}
     for case, selectors in cases.items():
-        results = train.train(_config(tmp_path, mode="hfc", ratio=0.3, window_rule=rule,
+        results = train.train(_config(tmp_path, mode="lfc", ratio=0.3, window_rule=rule,
                                       out=str(tmp_path / case), **selectors), model=_tiny())
         stored = json.loads((tmp_path / case / "config.json").read_text())
         assert all(row["windows"] == want and row["shape"][1:] == [3 if row["type"] == "Conv2d"
