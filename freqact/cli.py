@@ -298,8 +298,12 @@ def _sweep(args: argparse.Namespace) -> int:
         for run_dir, state in states.items():
             print(f"{state:9s} {run_dir}")
         return 0
-    outcome = sweep.run(args.spec, args.out, jobs=args.jobs, device=args.device,
-                        data_dir=args.data_dir, download=args.download)
+    try:
+        outcome = sweep.run(args.spec, args.out, jobs=args.jobs, device=args.device,
+                            data_dir=args.data_dir, download=args.download)
+    except sweep.Interrupted as stop:  # Ctrl-C / SIGTERM: every run's checkpoints are whole
+        print(f"freqact sweep: {stop}", file=sys.stderr)
+        return stop.exit_code
     for run_dir, message in outcome["failed"]:
         print(f"freqact sweep: {run_dir} failed: {message} (traceback in {run_dir}/error.log)",
               file=sys.stderr)

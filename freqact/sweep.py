@@ -49,6 +49,11 @@ Devices and parallelism:
 - Under `torchrun`, every run in turn is one DistributedDataParallel run over all ranks (the
   process group is created once here, as `freqact.distributed` requires); `jobs` must be 1, every
   rank must see OUT (one machine or a shared filesystem), and only rank 0 writes the table.
+
+Stopping: Ctrl-C (SIGINT, which a terminal sends to every worker too) or SIGTERM to the sweep
+(forwarded to its workers) stops each run at its next epoch boundary with whole checkpoints, as
+`freqact train` does, and raises `Interrupted` once every worker has stopped; rerunning the same
+command skips the finished runs and resumes the others.
 """
 from __future__ import annotations
 
@@ -59,7 +64,9 @@ import math
 import multiprocessing
 import os
 import re
+import signal
 import statistics
+import threading
 import traceback
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -289,9 +296,11 @@ def run(spec: str | os.PathLike | dict, out: str | os.PathLike | None = None, *,
           f"{len(todo)} to run in {study.out}", flush=True)
     with _process_group(torchrun, device) as rank:
         if jobs == 1 or len(todo) <= 1:
-            failed = _run_lane([r.config for r in todo], device, None)
+            failed, stopped = _run_lane([r.config for r in todo], device, None)
         else:
-            failed = _run_lanes([r.config for r in todo], jobs, device)
+            failed, stopped = _run_lanes([r.config for r in todo], jobs, device)
+        if stopped is not None:
+            raise Interrupted(stopped)
         rows = results_table(study)
         written = write_results(study, rows) if rank == 0 else []
     return {"study": study, "ran": [str(r.run_dir) for r in todo],
@@ -447,44 +456,102 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-.")
 
 
-def _run_lane(configs: Sequence[train.RunConfig], device: str | None,
-              threads: int | None) -> list[tuple[str, str]]:
-    """Train `configs` one after the other on `device`; return the failures.
+class Interrupted(KeyboardInterrupt):
+    """The sweep stopped by SIGINT or SIGTERM; every run's checkpoints are whole.
 
-    A failure is logged to RUN/error.log and does not stop the lane.
+    Attributes:
+        signum: the signal.
+        exit_code: 128 + signum (130 for SIGINT, 143 for SIGTERM).
     """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__("interrupted; rerun the same command to continue (finished runs are "
+                         "skipped, the others resume)")
+        self.signum, self.exit_code = signum, 128 + signum
+
+
+def _ignore_signals() -> None:
+    """A worker's initializer: an idle worker ignores SIGINT/SIGTERM (its lane handles them)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _run_lane(configs: Sequence[train.RunConfig], device: str | None,
+              threads: int | None) -> tuple[list[tuple[str, str]], int | None]:
+    """Train `configs` one after the other on `device`; return (the failures, the signal that
+    stopped the lane or None).
+
+    A failure is logged to RUN/error.log and does not stop the lane. A signal does: inside a run
+    `train` stops at the epoch boundary (`train.Interrupted`); between runs (in a worker) it is
+    noted and the next run is not started.
+    """
+    pending: list[int] = []
+    old = {}
     if threads is not None:  # a worker process: share the cores with the other workers
         import torch
 
         torch.set_num_threads(threads)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old[sig] = signal.signal(sig, lambda signum, frame: pending.append(signum))
     failed = []
-    for i, config in enumerate(configs, 1):
-        print(f"[{i}/{len(configs)}] {config.out}", flush=True)
-        try:
-            train.train(dataclasses.replace(config, device=device))
-            (Path(config.out) / "error.log").unlink(missing_ok=True)  # an earlier attempt's
-        except Exception as err:  # one bad run must not cost the others; reported at the end
-            if not isinstance(err, rundir.RunDirBusy):  # a busy directory is another's to write
-                Path(config.out).mkdir(parents=True, exist_ok=True)
-                (Path(config.out) / "error.log").write_text(traceback.format_exc(),
-                                                            encoding="utf-8")
-            failed.append((config.out, f"{type(err).__name__}: {err}"))
-    return failed
+    try:
+        for i, config in enumerate(configs, 1):
+            if pending:
+                return failed, pending[0]
+            print(f"[{i}/{len(configs)}] {config.out}", flush=True)
+            try:
+                train.train(dataclasses.replace(config, device=device))
+                (Path(config.out) / "error.log").unlink(missing_ok=True)  # an earlier attempt's
+            except train.Interrupted as stop:  # checkpoints whole; the rest of the lane waits
+                return failed, stop.signum
+            except Exception as err:  # one bad run must not cost the others; reported at the end
+                if not isinstance(err, rundir.RunDirBusy):  # a busy directory is another's
+                    Path(config.out).mkdir(parents=True, exist_ok=True)
+                    (Path(config.out) / "error.log").write_text(traceback.format_exc(),
+                                                                encoding="utf-8")
+                failed.append((config.out, f"{type(err).__name__}: {err}"))
+        return failed, (pending[0] if pending else None)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def _run_lanes(configs: Sequence[train.RunConfig], jobs: int,
-               device: str | None) -> list[tuple[str, str]]:
-    """`_run_lane` in `jobs` spawned processes, run i in lane i mod jobs, GPUs round robin."""
+               device: str | None) -> tuple[list[tuple[str, str]], int | None]:
+    """`_run_lane` in `jobs` spawned processes, run i in lane i mod jobs, GPUs round robin;
+    returns (the failures, the first signal that stopped the sweep or None).
+
+    While they run, SIGTERM to this process is forwarded to the workers and SIGINT noted (a
+    terminal's Ctrl-C reaches every worker itself); the workers stop at their next epoch boundary.
+    """
     import torch
 
     lanes = [list(configs[k::jobs]) for k in range(min(jobs, len(configs)))]
     gpus = torch.cuda.device_count() if device in (None, "cuda") else 0
     devices = [f"cuda:{k % gpus}" if gpus else device for k in range(len(lanes))]
     threads = max(1, (os.cpu_count() or 1) // len(lanes))
-    # spawn, not fork: CUDA and torch's thread pools do not survive a fork
-    with ProcessPoolExecutor(len(lanes), mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_run_lane, lane, dev, threads) for lane, dev in zip(lanes, devices)]
-        return [failure for future in futures for failure in future.result()]
+    stopped: list[int] = []
+
+    def on_signal(signum: int, frame) -> None:
+        stopped.append(signum)
+        if signum == signal.SIGTERM:
+            for child in multiprocessing.active_children():
+                os.kill(child.pid, signum)
+
+    main = threading.current_thread() is threading.main_thread()
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    try:
+        # spawn, not fork: CUDA and torch's thread pools do not survive a fork
+        with ProcessPoolExecutor(len(lanes), mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_ignore_signals) as pool:
+            futures = [pool.submit(_run_lane, lane, dev, threads)
+                       for lane, dev in zip(lanes, devices)]
+            outcomes = [future.result() for future in futures]
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    signals = stopped + [signum for _, signum in outcomes if signum is not None]
+    return [f for failures, _ in outcomes for f in failures], (signals[0] if signals else None)
 
 
 @contextlib.contextmanager

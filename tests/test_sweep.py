@@ -6,8 +6,11 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -330,3 +333,63 @@ def test_include_exclude_in_specs_are_checked_against_the_model_up_front(tmp_pat
         sweep.expand(_spec(variants=bad), tmp_path)
     with pytest.raises(ValueError, match=r"variant 'lfc': include: expected 1 to 256"):
         sweep.expand(_spec(variants=[variants[0], {**variants[1], "include": []}]), tmp_path)
+
+
+def _workers(pid: int) -> list[int]:
+    """The pids of the multiprocessing workers whose parent is `pid` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            command = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if parent == pid and b"spawn_main" in command:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find the workers")
+def test_sigterm_stops_every_worker_at_an_epoch_boundary_and_a_rerun_resumes(tmp_path):
+    spec = TOML_SPEC.replace("epochs = 1", "epochs = 100000").replace("[0]", "[0, 1]")
+    (tmp_path / "s.toml").write_text(spec)
+    argv = [sys.executable, "-m", "freqact", "sweep", str(tmp_path / "s.toml"), "--out",
+            str(tmp_path / "out"), "--device", "cpu", "--jobs", "2"]
+    proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    started, deadline = 0, time.monotonic() + 120
+    while started < 2 and time.monotonic() < deadline:  # both workers are inside a run
+        line = proc.stdout.readline()
+        started += line.startswith("[1/")
+    assert started == 2, proc.stderr.read()[-2000:]
+    time.sleep(3)  # a few epochs in
+    workers = _workers(proc.pid)
+    assert len(workers) == 2
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:  # a sweep that does not stop must not outlive the test
+        for pid in [proc.pid, *workers]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 143, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("freqact sweep: interrupted") and "Traceback" not in err
+    deadline = time.monotonic() + 30  # no orphan left training
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in workers)
+    done = [json.loads(line)["epoch"] for run in (tmp_path / "out").glob("*/seed-*")
+            for line in (run / "metrics.jsonl").read_text().splitlines()[-1:]]
+    assert len(done) >= 2 and all(0 < epoch < 100000 for epoch in done)
+    plan = subprocess.run([*argv, "--dry-run"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert plan.returncode == 0 and plan.stdout.count("partial ") == 2, plan.stdout + plan.stderr
