@@ -10,7 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import freqact
 from freqact import codecs, models
 from freqact.engine import attention
-from freqact.engine.layouts import TokenChannels, packed_nbytes
+from freqact.engine.layouts import TokenLayout, packed_nbytes
 
 
 class Attend(nn.Module):
@@ -91,7 +91,7 @@ def test_bytes_are_the_packed_forms_and_nothing_for_out_and_logsumexp():
     with freqact.compress(Attend(is_causal=True), "division") as meter:
         Attend(is_causal=True)(q, k, v)
     routes = meter.by_route()
-    codec = TokenChannels(codecs.get("division"))
+    codec = TokenLayout(codecs.get("division"))
     assert routes["division feat/chan"]["saved_bytes"] == 3 * packed_nbytes(codec, (6, 48, 16))
     assert routes["recomputed"]["saved_bytes"] == 0
     # plain PyTorch would hold q, k, v, out (fp32) and the (N, heads, T) logsumexp

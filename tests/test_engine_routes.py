@@ -8,7 +8,7 @@ from torch import nn
 
 import freqact
 from freqact import codecs, kernels
-from freqact.engine.layouts import TokenChannels, TokenLayout, packed_nbytes
+from freqact.engine.layouts import TokenLayout, packed_nbytes
 from freqact.kernels import reference
 from freqact.kernels.format import geometry
 
@@ -106,7 +106,7 @@ def test_exact_is_bit_identical_on_the_new_routes():
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_feat_chan_bytes_equal_the_reference_on_the_two_views(backend):
     x = torch.randn(3, 20, 24)
-    codec = TokenChannels(codecs.get("division", block=8, bits=2, backend=backend))
+    codec = TokenLayout(codecs.get("division", block=8, bits=2, backend=backend))
     noise = torch.rand(3, 24, 20)
     packed = codec.encode(x, noise)
     lfc = reference.lfc_encode(x, geometry(x.shape, 8))
@@ -150,7 +150,7 @@ def test_eager_attention_probabilities_are_packed_once_through_matmul():
     def eager(s):
         return torch.matmul(F.dropout(s.softmax(-1), p=0.0, training=True), v)
     routes = _routes(Fn(eager), s)
-    codec = TokenChannels(codecs.get("division"))
+    codec = TokenLayout(codecs.get("division"))
     assert routes["division feat/chan"]["count"] == 2  # softmax's save and matmul's view
     assert routes["kept"]["count"] == 1  # v
     assert routes["division feat/chan"]["saved_bytes"] == packed_nbytes(codec, (8, 64, 64))

@@ -23,7 +23,7 @@ import weakref
 import torch
 
 from freqact.codecs.base import Codec
-from freqact.engine.layouts import LayoutPacked, TokenChannels, packed_nbytes, token_view
+from freqact.engine.layouts import LayoutPacked, TokenLayout, packed_nbytes, token_view
 
 __all__ = ["Recomputed", "RecomputedPacked", "SdpaCall", "SdpaInput"]
 
@@ -51,11 +51,11 @@ class SdpaCall:
 
     Args:
         args, kwargs: the call's arguments (from the function tracker).
-        division: the block's TokenChannels codec (its division settings).
+        division: the block's TokenLayout codec (its division settings).
         min_elements: q must have at least this many elements to be packed.
     """
 
-    def __init__(self, args: tuple, kwargs: dict, division: TokenChannels,
+    def __init__(self, args: tuple, kwargs: dict, division: TokenLayout,
                  min_elements: int) -> None:
         self.key = id(args)
         q, k, v = (args[i] if len(args) > i else None for i in range(3))
@@ -138,11 +138,11 @@ class SdpaCall:
                 q, k, v, 0.0, self.causal, attn_mask=self.mask, scale=self.scale)
 
 
-class SdpaInput(TokenChannels):
+class SdpaInput(TokenLayout):
     """q, k or v of one SDPA call in the `feat/chan` form; registers its packed form with the
     call and remembers (weakly) what it decoded, so the recomputation decodes nothing twice."""
 
-    def __init__(self, division: TokenChannels, call: SdpaCall, role: str) -> None:
+    def __init__(self, division: TokenLayout, call: SdpaCall, role: str) -> None:
         super().__init__(division.division)
         self.call, self.role = call, role
 

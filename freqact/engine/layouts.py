@@ -39,7 +39,7 @@ from freqact.kernels.format import (
     saturating_cast,
 )
 
-__all__ = ["BLOCKS", "STATS", "LayoutPacked", "TokenChannels", "TokenLayout", "packed_nbytes",
+__all__ = ["BLOCKS", "STATS", "LayoutPacked", "TokenLayout", "packed_nbytes",
            "token_view"]
 
 BLOCKS = ("feat", "tile", "tok64", "grid64")
@@ -201,10 +201,6 @@ class TokenLayout(Codec):
         quant = geometry((m, t, f) if self.stats == "tok" else (m, f, t), None)
         n = 2 * lfc.maps * lfc.nblocks + quant.maps * (quant.code_bytes(d.bits) + 4)
         return n + (_division_nbytes(d, (m, head, f)) if head else 0)
-
-
-TokenChannels = TokenLayout
-"""`feat/chan` by default: `TokenChannels(division)` (the attention routes' layout)."""
 
 
 def _division_nbytes(codec: Division, shape: tuple[int, ...]) -> int:

@@ -28,7 +28,7 @@ from freqact.codecs.cheap import (
 )
 from freqact.codecs.division import Division
 from freqact.engine.attention import ROLES, SdpaCall
-from freqact.engine.layouts import TokenChannels, TokenLayout, packed_nbytes, token_view
+from freqact.engine.layouts import TokenLayout, packed_nbytes, token_view
 
 __all__ = ["DEFAULT_TYPES", "Kind", "Route", "Routes", "Saved", "Site", "choose", "kind_of",
            "route_for", "view_shape"]
@@ -149,7 +149,7 @@ class Routes:
     def for_codec(cls, codec: Codec) -> Routes:
         masks = not isinstance(codec, Exact)
         # The token layouts need the full division form; other codecs read the feat/tok view
-        chan, layout = (TokenChannels(codec), "feat/chan") if type(codec) is Division else (
+        chan, layout = (TokenLayout(codec), "feat/chan") if type(codec) is Division else (
             codec, "feat/tok")
         tokens, features, grids = (_layout_route(name, codec, *blocks) for name, blocks in (
             ("tokens", TOKEN_LAYOUT), ("features", FEATURE_LAYOUT), ("features", GRID_LAYOUT)))
@@ -405,7 +405,7 @@ def _probabilities(site: Site, saved: Saved, softmax: bool = False) -> Route | N
 def _sdpa_call(site: Site, saved: Saved) -> SdpaCall | None:
     """The SDPA call `saved` belongs to: the site's current one, or a new one for new args."""
     division = site.routes.attention.codec
-    if not isinstance(division, TokenChannels):
+    if not isinstance(division, TokenLayout):
         return None
     call = site.sdpa() if site.sdpa is not None else None
     if call is None or not call.matches(saved.args) or (
