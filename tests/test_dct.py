@@ -439,10 +439,11 @@ def test_fast_dct_matches_scipy_and_the_matmul_reference(monkeypatch, h, w):
 
 @needs_c
 @pytest.mark.parametrize("h", [2, 5, 32])
-@pytest.mark.parametrize("w", [2, 16, 32, 64, 65, 130])
+@pytest.mark.parametrize("w", [2, 16, 31, 32, 33, 48, 56, 64, 65, 130])
 def test_fast_dct_row_lengths_on_both_sides_of_the_plain_product(monkeypatch, h, w):
-    # Rows of up to 64 take the plain n x n product in C, longer ones the even/odd split; h = 5
-    # leaves rows outside the groups of 4, h = 2 and w = 2 the smallest split.
+    # Rows shorter than 32 take the plain n x n product in C, longer ones the even/odd split with
+    # its vector (de)interleave (tails at 33, 48, 56, 65, 130); h = 5 leaves rows outside the
+    # groups of 4, h = 2 the smallest column split.
     x = randn(2, 3, h, w, dtype=torch.float32, seed=h * 1000 + w)
     x64 = x.double().numpy()
     for dims, axes in ((2, (-2, -1)), (1, (-1,))):

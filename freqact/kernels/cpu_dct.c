@@ -11,7 +11,7 @@
  * D[k][n - 1 - i] = (-1)^k D[k][i], so a length-n transform is two half-size products:
  * even k from u_i = x_i + x_{n-1-i}, odd k from v_i = x_i - x_{n-1-i} (i < n / 2; for odd n the
  * middle element joins u alone, as D[odd k][middle] = 0). That halves the multiply-adds; it is
- * used along columns, and along rows longer than FULL_ROWS (shorter rows take the plain product,
+ * used along columns, and along rows of at least FULL_ROWS (shorter rows take the plain product,
  * which is faster there: see FULL_ROWS).
  *
  * Loops are axpy-shaped (a row of the output accumulates scalar x row), so the compiler vectorises
@@ -44,16 +44,16 @@ typedef struct {
     float *fo_t;       /* [j * po + q] = D[2q + 1][j], j < no */
     float *ie;         /* [q * pe + i] = D[2q][i]: along columns, and the inverse */
     float *io;         /* [q * po + i] = D[2q + 1][i] */
-    float *full_t;     /* [j * padded(n) + k] = D[k][j]: forward along rows (n <= FULL_ROWS) */
-    float *full;       /* [k * padded(n) + i] = D[k][i]: inverse along rows (n <= FULL_ROWS) */
+    float *full_t;     /* [j * padded(n) + k] = D[k][j]: forward along rows (n < FULL_ROWS) */
+    float *full;       /* [k * padded(n) + i] = D[k][i]: inverse along rows (n < FULL_ROWS) */
 } half_plan;
 
 /* Along rows, the even/odd split halves the multiply-adds but leaves the even and odd outputs
- * interleaved (a scatter per row forward, a gather inverse) and feeds products of half a vector:
- * measured on AVX-512 it is slower than the plain n x n product with outputs in order for every
- * length up to 56 (1.1-3x), so rows of up to FULL_ROWS take the product. Along columns the
- * split stays: there each product row is a whole row of the map, no scatter. */
-#define FULL_ROWS 64
+ * interleaved; the interleave is a vector shuffle per LANES outputs (`interleave`). Rows shorter
+ * than FULL_ROWS = 2 LANES would feed products of less than a vector and take the plain n x n
+ * product, outputs in order. Along columns the split needs no shuffle: there each product row is
+ * a whole row of the map. */
+#define FULL_ROWS (2 * LANES)
 
 static double basis(int64_t k, int64_t i, int64_t n) {
     const double c = k == 0 ? sqrt(1.0 / (double)n) : sqrt(2.0 / (double)n);
@@ -83,11 +83,11 @@ static int make_plan(half_plan *p, int64_t n) {
     p->ie = calloc(e, sizeof(float));
     p->fo_t = calloc(o, sizeof(float));
     p->io = calloc(o, sizeof(float));
-    if (n <= FULL_ROWS) {
+    if (n < FULL_ROWS) {
         p->full_t = leading_rows(n, n, 1);
         p->full = leading_rows(n, n, 0);
     }
-    if (!p->fe_t || !p->ie || !p->fo_t || !p->io || (n <= FULL_ROWS && (!p->full_t || !p->full))) {
+    if (!p->fe_t || !p->ie || !p->fo_t || !p->io || (n < FULL_ROWS && (!p->full_t || !p->full))) {
         free_plan(p);
         return -1;
     }
@@ -225,12 +225,43 @@ static void mat_rows(const float *restrict a, int64_t lda, int64_t m, int64_t le
         rows_block1(a + k * lda, len, x, x_stride, cols, y + k * y_stride);
 }
 
-/* Forward along `rows` (1 or GROUP) rows of length p->n: t[r] = D x[r]. scratch: 3 * GROUP * n. */
+/* Interleaving LANES / 2 even and LANES / 2 odd values (the low halves of e and o) into LANES
+ * outputs e0 o0 e1 o1 ..., and back (the even and the odd lanes of two vectors), as vector
+ * shuffles: a scalar scatter here cost more than the half of the products it saves. */
+typedef int32_t lane_index __attribute__((vector_size(LANES * sizeof(int32_t))));
+_Static_assert(LANES == 16, "the shuffle masks below are written for 16 lanes");
+static const lane_index INTERLEAVE = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+static const lane_index EVEN_LANES = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+static const lane_index ODD_LANES = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+
+/* t[2q] = e[q], t[2q + 1] = o[q] for 2q, 2q + 1 < n; e and o readable LANES past n / 2. */
+static void interleave(const float *restrict e, const float *restrict o, int64_t n,
+                       float *restrict t) {
+    for (int64_t c = 0; c < n; c += LANES) {
+        const vec out = __builtin_shuffle(vload(e + c / 2), vload(o + c / 2), INTERLEAVE);
+        vstore_part(t + c, out, n - c < LANES ? n - c : LANES);
+    }
+}
+
+/* e[q] = y[2q], o[q] = y[2q + 1]: y readable up to 2 LANES past its n values, e and o LANES. */
+static void deinterleave(const float *restrict y, int64_t n, float *restrict e,
+                         float *restrict o) {
+    for (int64_t c = 0; c < n; c += 2 * LANES) {
+        const vec lo = vload(y + c), hi = vload(y + c + LANES);
+        vstore(e + c / 2, __builtin_shuffle(lo, hi, EVEN_LANES));
+        vstore(o + c / 2, __builtin_shuffle(lo, hi, ODD_LANES));
+    }
+}
+
+/* Scratch of the row passes, per thread: u, v, e, o of GROUP rows each, padded. */
+static size_t row_scratch_floats(int64_t n) { return (size_t)(4 * (GROUP * n + 2 * LANES)); }
+
+/* Forward along `rows` (1 or GROUP) rows of length p->n: t[r] = D x[r]. */
 static inline __attribute__((always_inline)) void
 rows_forward_group(const half_plan *p, const float *restrict x, int rows, float *restrict t,
                    float *restrict scratch) {
-    const int64_t n = p->n, ne = p->ne, no = p->no;
-    float *u = scratch, *v = scratch + GROUP * n, *acc = scratch + 2 * GROUP * n;
+    const int64_t n = p->n, ne = p->ne, no = p->no, part = GROUP * n + 2 * LANES;
+    float *u = scratch, *v = scratch + part, *e = scratch + 2 * part, *o = scratch + 3 * part;
     for (int r = 0; r < rows; r++) {
         const float *xr = x + r * n;
         for (int64_t j = 0; j < no; j++) {
@@ -240,14 +271,10 @@ rows_forward_group(const half_plan *p, const float *restrict x, int rows, float 
         if (n & 1)
             u[r * n + no] = xr[no];
     }
-    vec_mat_rows(u, n, rows, ne, p->fe_t, ne, acc, n);
+    vec_mat_rows(u, n, rows, ne, p->fe_t, ne, e, n);
+    vec_mat_rows(v, n, rows, no, p->fo_t, no, o, n);
     for (int r = 0; r < rows; r++)
-        for (int64_t q = 0; q < ne; q++)
-            t[r * n + 2 * q] = acc[r * n + q];
-    vec_mat_rows(v, n, rows, no, p->fo_t, no, acc, n);
-    for (int r = 0; r < rows; r++)
-        for (int64_t q = 0; q < no; q++)
-            t[r * n + 2 * q + 1] = acc[r * n + q];
+        interleave(e + r * n, o + r * n, n, t + r * n);
 }
 
 /* out[r] = in[r] mat for `rows` rows of length n (mat: p->full_t forward, p->full inverse). */
@@ -290,20 +317,16 @@ static void cols_forward(const half_plan *p, const float *restrict t, int64_t co
     mat_rows(p->io, p->po, no, no, v, cols, cols, y + cols, 2 * cols); /* rows 1, 3, ... */
 }
 
-/* Inverse along `rows` (1 or GROUP) rows: x[r] = D^T y[r]. scratch: 3 * GROUP * n floats. */
+/* Inverse along `rows` (1 or GROUP) rows: x[r] = D^T y[r]; y readable 2 LANES past its rows. */
 static inline __attribute__((always_inline)) void
 rows_inverse_group(const half_plan *p, const float *restrict y, int rows, float *restrict x,
                    float *restrict scratch) {
-    const int64_t n = p->n, ne = p->ne, no = p->no;
-    float *e = scratch, *o = scratch + GROUP * n, *s = scratch + 2 * GROUP * n;
+    const int64_t n = p->n, ne = p->ne, no = p->no, part = GROUP * n + 2 * LANES;
+    float *se = scratch, *so = scratch + part, *e = scratch + 2 * part, *o = scratch + 3 * part;
     for (int r = 0; r < rows; r++)
-        for (int64_t q = 0; q < ne; q++)
-            s[r * n + q] = y[r * n + 2 * q];
-    vec_mat_rows(s, n, rows, ne, p->ie, ne, e, n);
-    for (int r = 0; r < rows; r++)
-        for (int64_t q = 0; q < no; q++)
-            s[r * n + q] = y[r * n + 2 * q + 1];
-    vec_mat_rows(s, n, rows, no, p->io, no, o, n);
+        deinterleave(y + r * n, n, se + r * n, so + r * n);
+    vec_mat_rows(se, n, rows, ne, p->ie, ne, e, n);
+    vec_mat_rows(so, n, rows, no, p->io, no, o, n);
     for (int r = 0; r < rows; r++) {
         float *xr = x + r * n;
         for (int64_t i = 0; i < no; i++) {
@@ -369,20 +392,47 @@ static int make_plans(half_plan *ph, half_plan *pw, int64_t h, int64_t w) {
     return 0;
 }
 
-/* Per-thread scratch of a full transform: the intermediate map and the butterfly buffers. */
+/* Per-thread scratch of a full transform: the intermediate map (padded: the inverse row pass
+ * reads 2 LANES past it), then the butterfly buffers of the column and the row passes. */
+static size_t tmp_floats(int64_t h, int64_t w) { return (size_t)(h * w + 2 * LANES); }
 static size_t scratch_floats(int64_t h, int64_t w) {
-    return (size_t)(2 * h * w + 3 * GROUP * w + 4);
+    const size_t cols = (size_t)(h * w), rows = row_scratch_floats(w);
+    return tmp_floats(h, w) + (cols > rows ? cols : rows);
 }
 
-/* A large output buffer is usually fresh from mmap, and faulting it in 4 KiB pages costs as much
- * as the transform itself; ask for transparent huge pages on its 2 MiB-aligned interior first
- * (advice only: a no-op where THP is off, or for pages already touched). */
-static void advise_huge(void *p, int64_t bytes) {
+/* A large output buffer is usually fresh from mmap, and faulting it in 4 KiB pages, one trap per
+ * page, costs more than the transform itself. So before it is written: transparent huge pages are
+ * asked for on its 2 MiB-aligned interior, and every thread of the team populates (faults in) an
+ * equal share of the buffer in one madvise call (MADV_POPULATE_WRITE, Linux 5.14). Advice only:
+ * where THP is off, the kernel is older, or the pages are already there, nothing changes but the
+ * time. Call from inside the team's parallel region. */
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+static void prefault(void *p, int64_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-    const uintptr_t huge = (uintptr_t)2 << 20, start = ((uintptr_t)p + huge - 1) & ~(huge - 1);
-    const uintptr_t end = ((uintptr_t)p + (uintptr_t)bytes) & ~(huge - 1);
-    if (bytes >= (int64_t)(4 * huge) && end > start)
-        madvise((void *)start, end - start, MADV_HUGEPAGE);
+    const uintptr_t huge = (uintptr_t)2 << 20, page = 4096;
+    if (bytes < (int64_t)(4 * huge))
+        return;
+    const uintptr_t first = (uintptr_t)p & ~(page - 1);
+    const uintptr_t last = ((uintptr_t)p + (uintptr_t)bytes + page - 1) & ~(page - 1);
+#pragma omp single
+    {
+        const uintptr_t start = ((uintptr_t)p + huge - 1) & ~(huge - 1);
+        const uintptr_t end = ((uintptr_t)p + (uintptr_t)bytes) & ~(huge - 1);
+        if (end > start)
+            madvise((void *)start, end - start, MADV_HUGEPAGE);
+    } /* implicit barrier: the advice is in place before any page is populated */
+    /* Whole 2 MiB pages per thread: two threads faulting one huge page contend for it. */
+    const uintptr_t base = first & ~(huge - 1);
+    const int64_t chunks = (int64_t)((last - base + huge - 1) / huge);
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        const uintptr_t a = base + (uintptr_t)c * huge < first ? first : base + (uintptr_t)c * huge;
+        const uintptr_t b = base + (uintptr_t)(c + 1) * huge < last ? base + (uintptr_t)(c + 1) * huge
+                                                                    : last;
+        madvise((void *)a, b - a, MADV_POPULATE_WRITE);
+    }
 #else
     (void)p;
     (void)bytes;
@@ -394,17 +444,17 @@ int freqact_dct(int64_t maps, int64_t h, int64_t w, const float *src, float *dst
     half_plan ph, pw;
     if (make_plans(&ph, &pw, h, w))
         return -1;
-    advise_huge(dst, maps * h * w * (int64_t)sizeof(float));
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
+        prefault(dst, maps * h * w * (int64_t)sizeof(float));
         float *tmp = malloc(scratch_floats(h, w) * sizeof(float));
         failed = tmp == NULL;
 #pragma omp for schedule(dynamic, 8)
         for (int64_t m = 0; m < maps; m++)
             if (tmp)
                 map_transform(&ph, &pw, src + m * h * w, dst + m * h * w, inverse, tmp,
-                              tmp + h * w);
+                              tmp + tmp_floats(h, w));
         free(tmp);
     }
     free_plan(&ph);
@@ -444,10 +494,10 @@ int freqact_idct_corner(int64_t maps, int64_t h, int64_t w, int64_t wh, int64_t 
                         const float *src, float *dst, int threads) {
     float *dh_t = leading_rows(wh, h, 1), *dw = leading_rows(ww, w, 0);
     int failed = dh_t == NULL || dw == NULL;
-    advise_huge(dst, maps * h * w * (int64_t)sizeof(float));
     if (!failed) {
 #pragma omp parallel num_threads(threads) reduction(| : failed)
         {
+            prefault(dst, maps * h * w * (int64_t)sizeof(float));
             float *r = malloc((size_t)(wh * w) * sizeof(float));
             failed = r == NULL;
 #pragma omp for schedule(dynamic, 8)
@@ -481,7 +531,7 @@ int freqact_band_energy(int64_t maps, int64_t h, int64_t w, int64_t wh, int64_t 
         for (int64_t m = 0; m < maps; m++)
             if (tmp) {
                 float *coeffs = tmp + scratch_floats(h, w);
-                map_transform(&ph, &pw, src + m * h * w, coeffs, 0, tmp, tmp + h * w);
+                map_transform(&ph, &pw, src + m * h * w, coeffs, 0, tmp, tmp + tmp_floats(h, w));
                 double lo = 0.0, hi = 0.0;
                 for (int64_t k = 0; k < h; k++)
                     for (int64_t j = 0; j < w; j++) {

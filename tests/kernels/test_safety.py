@@ -77,6 +77,14 @@ _ASAN_DRIVER = textwrap.dedent("""
     big = torch.randn(4097 * 3 + 5)
     K.unpack_mask(K.pack_mask(big, 0.0, 1.0, backend="cpu"), big.shape, torch.float32, 0, 1,
                   backend="cpu")
+    from freqact.kernels import cpu_dct as D
+    for h, w in [(1, 1), (5, 31), (3, 32), (2, 33), (7, 56), (1, 65), (33, 7)]:
+        x = torch.randn(3, h, w)
+        for inverse in (False, True):
+            D.dct2(x, inverse)
+        corner = D.dct_corner(x, max(1, h // 3), max(1, w // 3))
+        D.idct_corner(corner, h, w)
+        D.band_energy(x, max(1, h // 3), max(1, w // 3))
     print("asan-ok")
 """)
 
