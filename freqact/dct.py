@@ -13,8 +13,7 @@ in float32 (their own precision would lose ~3 digits per axis) and cast back.
 
 Fast path: float32 (and half) CPU work over the last 1 or 2 dims that needs no gradient (no input
 requires grad, or grad mode is off: inside the codecs, analyses under no_grad) runs in the fused C
-kernels of `freqact.kernels.cpu_dct` (per map, in cache, even/odd symmetry of the basis along
-columns); the
+kernels of `freqact.kernels.cpu_dct` (per map, in cache, even/odd symmetry of the basis); the
 matmul path (`freqact._separable`) is the reference they are tested against and serves autograd, float64, 3D and
 CUDA. FREQACT_KERNELS=torch switches the fast path off.
 """

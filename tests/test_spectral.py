@@ -14,7 +14,8 @@ from torch import nn
 import freqact
 from freqact import codecs, dct
 from freqact.codecs import spectral
-from freqact.kernels.format import QuantPacked
+from freqact.kernels import cpu_dct
+from freqact.kernels.format import QuantPacked, as_maps, saturating_cast
 
 
 def _masked_oracle(x: torch.Tensor, windows, high: bool) -> np.ndarray:
@@ -103,3 +104,37 @@ def test_layer_windows_reports_what_resnet20_keeps():
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     with pytest.raises(TypeError, match="codec"):
         spectral.layer_windows(model, (3, 32, 32), codecs.get("division"))
+
+
+@pytest.mark.skipif(not cpu_dct.available(), reason=f"C DCT kernels: {cpu_dct.unavailable_reason()}")
+@pytest.mark.parametrize("shape", [(2, 3, 32, 32), (2, 3, 7, 33), (1, 2, 33, 7), (3, 4, 20), (2, 3, 8, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_highpass_is_the_two_corner_transforms_bit_for_bit(shape, dtype):
+    # The fused kernel runs the same products as dct_corner then idct_corner, in cache: equal
+    # bytes to x - iDCT(corner) formed from the separate kernels, and to float64 scipy's
+    # high band within float32 accuracy.
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))).to(dtype)
+    codec = codecs.get("hfc", ratio=0.3, window_rule="official")
+    windows = codec.windows(shape)
+    maps = as_maps(x).float()
+    separate = maps - dct.lowpass_synthesis(dct.lowpass_coefficients(maps, windows), maps.shape[2:])
+    got = codec.decode(codec.encode(x))
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got, saturating_cast(separate, dtype).reshape(shape))
+    axes = tuple(range(-len(windows), 0))
+    spectrum = scipy.fft.dctn(maps.double().numpy(), type=2, norm="ortho", axes=axes)
+    spectrum[(...,) + tuple(slice(0, w) for w in windows)] = 0
+    want = scipy.fft.idctn(spectrum, type=2, norm="ortho", axes=axes)
+    scale = np.abs(want).max()
+    assert np.abs(got.float().double().numpy().reshape(want.shape) - want).max() <= (
+        2e-6 * scale if dtype == torch.float32 else 1e-2 * scale)
+
+
+def test_fused_highpass_hands_overflowing_corners_to_the_edge_rule():
+    # Coefficients of maps near float32's top overflow: the C kernel reports it, the codec scales.
+    x = torch.full((1, 2, 16, 16), 3e38)
+    x[0, 1] = -3e38
+    if cpu_dct.available():
+        assert cpu_dct.highpass(x, 4, 4) is None
+    high = codecs.get("hfc", ratio=0.25).encode(x).pieces[0]
+    assert bool(high.isfinite().all()) and float(high.abs().max()) <= 1e-6 * 3e38

@@ -40,8 +40,10 @@ from dataclasses import dataclass
 import torch
 
 from freqact import _validate, dct, kernels
+from freqact._separable import _as_2d, _fast
 from freqact.codecs.base import Codec, register, tensor_nbytes
 from freqact.codecs.settings import BACKEND, BITS, RATIO, WINDOW_RULE
+from freqact.kernels import cpu_dct
 from freqact.kernels.format import QuantPacked, as_maps, saturating_cast
 
 
@@ -105,10 +107,17 @@ def _highpass(x: torch.Tensor, windows: tuple[int, ...]) -> torch.Tensor:
     """x - iDCT(the corner `windows` of DCT(x)) per map: the high-pass part, x's shape and dtype.
 
     Formed from the corner transforms alone, under the edge rule (`_scaled`), in float32 for half
-    precision; finite values saturate in x's dtype.
+    precision; finite values saturate in x's dtype. 1D/2D float32 CPU maps take the fused C kernel
+    (`cpu_dct.highpass`: one pass per map), which hands back to this path when a corner
+    coefficient is not finite.
     """
     maps = as_maps(x)
     maps = maps.to(_wide(maps.dtype))
+    dims = len(windows)
+    if _fast(maps, dims):
+        high = cpu_dct.highpass(_as_2d(maps, dims), *((1,) * (2 - dims) + windows))
+        if high is not None:
+            return saturating_cast(high, x.dtype).reshape(x.shape)
     low, scale_exp = _scaled(lambda m: dct.lowpass_coefficients(m, windows), maps)
     scaled = maps * 2.0**-scale_exp if scale_exp else maps
     synthesis = dct.lowpass_synthesis(low, maps.shape[2:])

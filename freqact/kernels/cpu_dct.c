@@ -462,57 +462,138 @@ int freqact_dct(int64_t maps, int64_t h, int64_t w, const float *src, float *dst
     return failed ? -1 : 0;
 }
 
-/* dst (maps, wh, ww) = the top-left wh x ww DCT coefficients of each (h, w) map of src:
- * columns first (only wh output rows), then the wh rows against D_w[:ww]^T. */
+/* The leading-row tables of the corner transforms of (h, w) maps with a wh x ww window. */
+typedef struct {
+    int64_t h, w, wh, ww;
+    float *dh;   /* [k * padded(h) + i] = D_h[k][i], k < wh */
+    float *dw_t; /* [j * padded(ww) + k] = D_w[k][j], k < ww */
+    float *dh_t; /* [i * padded(wh) + k] = D_h[k][i] */
+    float *dw;   /* [k * padded(w) + j] = D_w[k][j] */
+} corner_plan;
+
+static void free_corner_plan(corner_plan *p) {
+    free(p->dh);
+    free(p->dw_t);
+    free(p->dh_t);
+    free(p->dw);
+}
+
+/* The tables the transforms need (forward: dh, dw_t; synthesis: dh_t, dw); -1 when out of memory. */
+static int make_corner_plan(corner_plan *p, int64_t h, int64_t w, int64_t wh, int64_t ww,
+                            int forward, int synthesis) {
+    *p = (corner_plan){h, w, wh, ww, NULL, NULL, NULL, NULL};
+    if (forward) {
+        p->dh = leading_rows(wh, h, 0);
+        p->dw_t = leading_rows(ww, w, 1);
+    }
+    if (synthesis) {
+        p->dh_t = leading_rows(wh, h, 1);
+        p->dw = leading_rows(ww, w, 0);
+    }
+    if ((forward && (!p->dh || !p->dw_t)) || (synthesis && (!p->dh_t || !p->dw))) {
+        free_corner_plan(p);
+        return -1;
+    }
+    return 0;
+}
+
+/* corner (wh, ww) = the top-left DCT coefficients of one (h, w) map: columns first (only wh
+ * output rows), then the wh rows against D_w[:ww]^T. s: wh * w floats of scratch. */
+static void map_corner(const corner_plan *p, const float *restrict x, float *restrict s,
+                       float *restrict corner) {
+    const int64_t h = p->h, w = p->w, wh = p->wh, ww = p->ww;
+    mat_rows(p->dh, padded(h), wh, h, x, w, w, s, w);
+    for (int64_t k = 0; k < wh; k++)
+        vec_mat(s + k * w, w, p->dw_t, ww, corner + k * ww);
+}
+
+/* out (h, w) = the inverse DCT of one (wh, ww) corner, zeros elsewhere: rows first
+ * (r = C D_w[:ww], wh x w), then out = D_h[:wh]^T r. r: wh * w floats of scratch. */
+static void map_synthesis(const corner_plan *p, const float *restrict corner, float *restrict r,
+                          float *restrict out) {
+    const int64_t h = p->h, w = p->w, wh = p->wh, ww = p->ww;
+    for (int64_t k = 0; k < wh; k++)
+        vec_mat(corner + k * ww, ww, p->dw, w, r + k * w);
+    mat_rows(p->dh_t, padded(wh), h, wh, r, w, w, out, w);
+}
+
+/* dst (maps, wh, ww) = the top-left wh x ww DCT coefficients of each (h, w) map of src. */
 int freqact_dct_corner(int64_t maps, int64_t h, int64_t w, int64_t wh, int64_t ww,
                        const float *src, float *dst, int threads) {
-    float *dh = leading_rows(wh, h, 0), *dw_t = leading_rows(ww, w, 1);
-    int failed = dh == NULL || dw_t == NULL;
-    if (!failed) {
+    corner_plan p;
+    if (make_corner_plan(&p, h, w, wh, ww, 1, 0))
+        return -1;
+    int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
-        {
-            float *s = malloc((size_t)(wh * w) * sizeof(float));
-            failed = s == NULL;
+    {
+        float *s = malloc((size_t)(wh * w) * sizeof(float));
+        failed = s == NULL;
 #pragma omp for schedule(dynamic, 8)
-            for (int64_t m = 0; m < maps; m++)
-                if (s) {
-                    mat_rows(dh, padded(h), wh, h, src + m * h * w, w, w, s, w);
-                    for (int64_t k = 0; k < wh; k++)
-                        vec_mat(s + k * w, w, dw_t, ww, dst + (m * wh + k) * ww);
-                }
-            free(s);
-        }
+        for (int64_t m = 0; m < maps; m++)
+            if (s)
+                map_corner(&p, src + m * h * w, s, dst + m * wh * ww);
+        free(s);
     }
-    free(dh);
-    free(dw_t);
+    free_corner_plan(&p);
     return failed ? -1 : 0;
 }
 
-/* dst (maps, h, w) = the inverse DCT of each (wh, ww) corner of src, zeros elsewhere:
- * rows first (r = C D_w[:ww], wh x w), then x = D_h[:wh]^T r. */
+/* dst (maps, h, w) = the inverse DCT of each (wh, ww) corner of src, zeros elsewhere. */
 int freqact_idct_corner(int64_t maps, int64_t h, int64_t w, int64_t wh, int64_t ww,
                         const float *src, float *dst, int threads) {
-    float *dh_t = leading_rows(wh, h, 1), *dw = leading_rows(ww, w, 0);
-    int failed = dh_t == NULL || dw == NULL;
-    if (!failed) {
+    corner_plan p;
+    if (make_corner_plan(&p, h, w, wh, ww, 0, 1))
+        return -1;
+    int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
-        {
-            prefault(dst, maps * h * w * (int64_t)sizeof(float));
-            float *r = malloc((size_t)(wh * w) * sizeof(float));
-            failed = r == NULL;
+    {
+        prefault(dst, maps * h * w * (int64_t)sizeof(float));
+        float *r = malloc((size_t)(wh * w) * sizeof(float));
+        failed = r == NULL;
 #pragma omp for schedule(dynamic, 8)
-            for (int64_t m = 0; m < maps; m++)
-                if (r) {
-                    for (int64_t k = 0; k < wh; k++)
-                        vec_mat(src + (m * wh + k) * ww, ww, dw, w, r + k * w);
-                    mat_rows(dh_t, padded(wh), h, wh, r, w, w, dst + m * h * w, w);
-                }
-            free(r);
-        }
+        for (int64_t m = 0; m < maps; m++)
+            if (r)
+                map_synthesis(&p, src + m * wh * ww, r, dst + m * h * w);
+        free(r);
     }
-    free(dh_t);
-    free(dw);
+    free_corner_plan(&p);
     return failed ? -1 : 0;
+}
+
+/* dst (maps, h, w) = each map of src minus the inverse DCT of its own wh x ww corner: the
+ * high-pass part, from the two corner transforms while the map is in cache (one read of src, one
+ * write of dst). Returns 0; -1 when out of memory; 1 when a corner coefficient was not finite
+ * (dst is then incomplete: the caller applies its edge rule). */
+int freqact_highpass(int64_t maps, int64_t h, int64_t w, int64_t wh, int64_t ww,
+                     const float *src, float *dst, int threads) {
+    corner_plan p;
+    if (make_corner_plan(&p, h, w, wh, ww, 1, 1))
+        return -1;
+    int failed = 0, overflow = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed, overflow)
+    {
+        prefault(dst, maps * h * w * (int64_t)sizeof(float));
+        const size_t corner = (size_t)(wh * ww), rows = (size_t)(wh * w);
+        float *scratch = malloc((corner + rows + (size_t)(h * w)) * sizeof(float));
+        failed = scratch == NULL;
+#pragma omp for schedule(dynamic, 8)
+        for (int64_t m = 0; m < maps; m++) {
+            if (!scratch || overflow)
+                continue;
+            float *c = scratch, *r = scratch + corner, *low = r + rows;
+            const float *x = src + m * h * w;
+            float *y = dst + m * h * w;
+            map_corner(&p, x, r, c);
+            for (size_t k = 0; k < corner; k++)
+                overflow |= !isfinite(c[k]);
+            map_synthesis(&p, c, r, low);
+            for (int64_t i = 0; i < h * w; i++)
+                y[i] = x[i] - low[i];
+        }
+        free(scratch);
+    }
+    free_corner_plan(&p);
+    return failed ? -1 : overflow ? 1 : 0;
 }
 
 /* Per map: low[m] = sum of X^2 over the top-left wh x ww coefficients, high[m] = over the rest

@@ -21,8 +21,8 @@ import torch
 
 from freqact.kernels import cpu
 
-__all__ = ["MAX_SIZE", "available", "band_energy", "dct2", "dct_corner", "idct_corner",
-           "unavailable_reason"]
+__all__ = ["MAX_SIZE", "available", "band_energy", "dct2", "dct_corner", "highpass",
+           "idct_corner", "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("cpu_dct.c")
 CFLAGS = tuple("-ffp-contract=fast" if f == "-ffp-contract=off" else f for f in cpu.CFLAGS)
@@ -38,6 +38,7 @@ _SIGNATURES = {
     "freqact_dct": ([_i64] * 3 + [_ptr] * 2 + [_int] * 2, _int),
     "freqact_dct_corner": ([_i64] * 5 + [_ptr] * 2 + [_int], _int),
     "freqact_idct_corner": ([_i64] * 5 + [_ptr] * 2 + [_int], _int),
+    "freqact_highpass": ([_i64] * 5 + [_ptr] * 2 + [_int], _int),
     "freqact_band_energy": ([_i64] * 5 + [_ptr] * 3 + [_int], _int),
 }
 
@@ -124,6 +125,23 @@ def idct_corner(coeffs: torch.Tensor, h: int, w: int) -> torch.Tensor:
     out = coeffs.new_empty((*coeffs.shape[:-2], h, w))
     _status("idct_corner", _lib().freqact_idct_corner(maps, h, w, wh, ww, coeffs.data_ptr(),
                                                       out.data_ptr(), _threads()))
+    return out
+
+
+def highpass(x: torch.Tensor, wh: int, ww: int) -> torch.Tensor | None:
+    """x minus the inverse DCT of its own top-left (wh, ww) corner, per map of x (..., h, w).
+
+    One pass per map (`freqact_highpass`): the same values as `idct_corner(dct_corner(x, wh, ww),
+    h, w)` subtracted from x. Returns None when a corner coefficient is not finite (an input near
+    float32's range, or not finite), so that the caller can apply its own rule.
+    """
+    x, maps, h, w = _check_maps("x", x)
+    wh, ww = _check_window("wh", wh, h), _check_window("ww", ww, w)
+    out = torch.empty_like(x)
+    status = _lib().freqact_highpass(maps, h, w, wh, ww, x.data_ptr(), out.data_ptr(), _threads())
+    if status == 1:
+        return None
+    _status("highpass", status)
     return out
 
 

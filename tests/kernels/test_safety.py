@@ -85,6 +85,7 @@ _ASAN_DRIVER = textwrap.dedent("""
         corner = D.dct_corner(x, max(1, h // 3), max(1, w // 3))
         D.idct_corner(corner, h, w)
         D.band_energy(x, max(1, h // 3), max(1, w // 3))
+        D.highpass(x, max(1, h // 3), max(1, w // 3))
     print("asan-ok")
 """)
 
