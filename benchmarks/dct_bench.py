@@ -2,10 +2,13 @@
 
 2D orthonormal DCT-II of float32 activation batches, all methods side by side in one run:
 `freqact` (what `freqact.dct.dct` runs: the fused C kernels on the CPU when no gradient is needed),
+`freqact-out` (the same into a reused buffer, `dct(x, out=buf)`: no fresh output pages),
 `freqact-matmul` (its matmul reference path, FREQACT_KERNELS=torch; the path autograd uses), scipy
-and torch-dct. Prints a table (median time, freqact's speed-up over each method, max relative
-error against a float64 scipy oracle, rel. error = max|a - b| / max|b|) and writes
-<out>/dct-<device>[-<N>thread].json (default out: benchmarks/results).
+and torch-dct. The methods take turns, one call each per round (drift on a shared machine reaches
+all alike). Prints a table (median and min time over the rounds, scipy's median over each
+method's, freqact's speed-up over each method, max relative error against a float64 scipy
+oracle, rel. error = max|a - b| / max|b|) and writes <out>/dct-<device>[-<N>thread].json
+(default out: benchmarks/results).
 
     python -m benchmarks.dct_bench                # CPU
     python -m benchmarks.dct_bench --device cuda  # freqact/torch-dct on the GPU, scipy on the CPU
@@ -55,8 +58,10 @@ def _matmul_reference(x: torch.Tensor) -> torch.Tensor:
 def _methods(x: torch.Tensor, workers: int) -> dict[str, Callable[[], torch.Tensor]]:
     """name -> a call returning the 2D DCT of x (as a tensor) with that implementation."""
     x_np = x.cpu().numpy()
+    buffer = torch.empty_like(x)
     methods = {
         "freqact": lambda: dct(x, dims=2),
+        "freqact-out": lambda: dct(x, dims=2, out=buffer),
         "freqact-matmul": lambda: _matmul_reference(x),
         "scipy": lambda: torch.from_numpy(
             scipy.fft.dctn(x_np, type=2, norm="ortho", axes=(-2, -1), workers=workers)
@@ -88,29 +93,38 @@ def run(
 ) -> list[dict]:
     """Time every method on every shape; return one dict per (shape, method).
 
-    `workers` is scipy's thread count (-1: every core); set torch's with torch.set_num_threads.
+    Each method gets `warmup` untimed calls, then `repeats` rounds in which every method runs
+    once. `workers` is scipy's thread count (-1: every core); set torch's with
+    torch.set_num_threads.
     """
     generator = torch.Generator().manual_seed(seed)
     rows = []
     for shape in SHAPES:
         x = torch.randn(shape, generator=generator).to(device)
         reference = scipy.fft.dctn(x.cpu().double().numpy(), type=2, norm="ortho", axes=(-2, -1))
-        timed = {}
-        for name, fn in _methods(x, workers).items():
-            # scipy always runs on the host, so only the torch methods synchronize the device.
-            sync = None if name == "scipy" else device
-            seconds = median_time(fn, warmup=warmup, repeats=repeats, device=sync)
-            timed[name] = (seconds, _rel_error(fn(), reference))
-        freqact_seconds = timed["freqact"][0]
-        for name, (seconds, error) in timed.items():
+        methods = _methods(x, workers)
+        errors = {name: _rel_error(fn(), reference) for name, fn in methods.items()}
+        for fn in methods.values():
+            for _ in range(warmup - 1):  # the error check was the first warm-up call
+                fn()
+        times = {name: [] for name in methods}
+        for _ in range(repeats):
+            for name, fn in methods.items():
+                # scipy always runs on the host, so only the torch methods synchronize the device.
+                sync = None if name == "scipy" else device
+                times[name].append(median_time(fn, warmup=0, repeats=1, device=sync))
+        median = {name: float(np.median(seconds)) for name, seconds in times.items()}
+        for name, seconds in times.items():
             rows.append(
                 {
                     "shape": list(shape),
                     "method": name,
                     "device": "cpu" if name == "scipy" else device,
-                    "median_ms": seconds * 1e3,
-                    "freqact_speedup": seconds / freqact_seconds,
-                    "max_rel_error": error,
+                    "median_ms": median[name] * 1e3,
+                    "min_ms": min(seconds) * 1e3,
+                    "speedup_over_scipy": median["scipy"] / median[name],
+                    "freqact_speedup": median[name] / median["freqact"],
+                    "max_rel_error": errors[name],
                 }
             )
     return rows
@@ -132,10 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     rows = run(args.device, args.warmup, args.repeats, workers=args.threads or -1)
     print_table(
-        ["shape", "method", "device", "median ms", "freqact speed-up", "max rel. error"],
+        ["shape", "method", "device", "median ms", "min ms", "scipy / this", "freqact speed-up",
+         "max rel. error"],
         [
-            ["x".join(map(str, r["shape"])), r["method"], r["device"], r["median_ms"],
-             r["freqact_speedup"], r["max_rel_error"]]
+            ["x".join(map(str, r["shape"])), r["method"], r["device"], r["median_ms"], r["min_ms"],
+             r["speedup_over_scipy"], r["freqact_speedup"], r["max_rel_error"]]
             for r in rows
         ],
     )

@@ -109,50 +109,85 @@ def _windows(sizes: Sequence[int], ratio: object, window: object, rule: object =
 # ----------------------------------------------------------------------------------------------
 
 
-def dct(x: torch.Tensor, dims: int = 2) -> torch.Tensor:
+def _check_out(out: object, x: torch.Tensor) -> torch.Tensor:
+    """`out` as a buffer the transform of x may write: x's shape, dtype and device, contiguous,
+    x itself or sharing no memory with it, and no autograd (as torch's own out= arguments)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"out: expected shape {tuple(x.shape)}, {x.dtype} on {x.device} (the "
+                         f"input's), got {tuple(out.shape)}, {out.dtype} on {out.device}")
+    if not out.is_contiguous():
+        raise ValueError("out: expected a contiguous tensor")
+    if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() and not (
+            out.data_ptr() == x.data_ptr() and x.is_contiguous()):
+        raise ValueError("out: expected the input itself or a tensor sharing no memory with it")
+    if torch.is_grad_enabled() and (x.requires_grad or out.requires_grad):
+        raise ValueError("out: not supported where a gradient is needed (call without out=)")
+    return out
+
+
+def _transform(x: torch.Tensor, dims: int, inverse: bool, out: torch.Tensor | None) -> torch.Tensor:
+    """dct (or idct) of x over its last `dims` dims, written to `out` when given."""
+    if out is not None:
+        out = _check_out(out, x)
+    if _fast(x, dims):
+        direct = out is not None and out.dtype == torch.float32  # written by the kernel itself
+        y = cpu_dct.dct2(_as_2d(x, dims), inverse=inverse,
+                         out=_as_2d(out, dims) if direct else None).view(x.shape)
+    else:
+        y = _separable(x, dims, lambda _, n, dtype, device: (
+            _basis(n, dtype, device).mT if inverse else _basis(n, dtype, device)))  # D^-1 = D^T
+    if out is None:
+        return y.to(x.dtype)
+    return out if y.data_ptr() == out.data_ptr() else out.copy_(y)
+
+
+def dct(x: torch.Tensor, dims: int = 2, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Orthonormal DCT-II over the last `dims` dims (scipy.fft.dctn(type=2, norm="ortho")).
 
     Args:
         x: real floating tensor, shape (*, N_1, ..., N_dims); any sizes >= 1, any leading dims.
             float16/bfloat16 are computed in float32. CPU or CUDA. Differentiable.
         dims: how many trailing dims to transform: 1, 2 or 3.
+        out: optional buffer of x's shape, dtype and device (contiguous; x itself for an
+            in-place transform) the coefficients are written to, e.g. to reuse one buffer over a
+            loop: a fresh output's pages cost the CPU path about as much as the transform.
+            Not differentiable.
 
     Returns:
-        The coefficients, same shape, dtype and device as x; X[..., 0, 0] is the DC term.
+        The coefficients, same shape, dtype and device as x (`out` when given); X[..., 0, 0] is
+        the DC term.
 
     Raises:
         TypeError: if x is not a real floating tensor, or dims not an integer.
-        ValueError: if dims is not 1, 2 or 3, exceeds x's rank, or a transformed dim is empty.
+        ValueError: if dims is not 1, 2 or 3, exceeds x's rank, or a transformed dim is empty;
+            naming `out` for a buffer that does not fit.
 
     Example:
         >>> X = dct(torch.ones(1, 3, 4, 4))
         >>> torch.allclose(X[..., 0, 0], torch.full((1, 3), 4.0))
         True
     """
-    dims = _check_input("x", x, dims)
-    if _fast(x, dims):
-        return cpu_dct.dct2(_as_2d(x, dims)).view(x.shape).to(x.dtype)
-    return _separable(x, dims, lambda _, n, dtype, device: _basis(n, dtype, device)).to(x.dtype)
+    return _transform(x, _check_input("x", x, dims), False, out)
 
 
-def idct(X: torch.Tensor, dims: int = 2) -> torch.Tensor:
+def idct(X: torch.Tensor, dims: int = 2, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of `dct` (orthonormal DCT-III, scipy.fft.idctn(type=2, norm="ortho")).
 
     Args:
         X: real floating coefficients, shape (*, N_1, ..., N_dims); see `dct` for dtypes/devices.
         dims: how many trailing dims to transform: 1, 2 or 3.
+        out: optional buffer for the signal, as `dct`'s.
 
     Returns:
-        The signal, same shape, dtype and device as X; idct(dct(x)) == x to float precision.
+        The signal, same shape, dtype and device as X (`out` when given); idct(dct(x)) == x to
+        float precision.
 
     Raises:
-        TypeError/ValueError: as `dct`, naming `X`.
+        TypeError/ValueError: as `dct`, naming `X` (or `out`).
     """
-    dims = _check_input("X", X, dims)
-    if _fast(X, dims):
-        return cpu_dct.dct2(_as_2d(X, dims), inverse=True).view(X.shape).to(X.dtype)
-    # The inverse of an orthonormal D is D^T.
-    return _separable(X, dims, lambda _, n, dtype, device: _basis(n, dtype, device).mT).to(X.dtype)
+    return _transform(X, _check_input("X", X, dims), True, out)
 
 
 def _check_shape(shape: object) -> list[int]:

@@ -518,3 +518,31 @@ def test_fast_kernels_range_check_what_goes_into_c():
     # non-contiguous input is read in logical order
     t = torch.randn(8, 8, 3).permute(2, 0, 1)
     torch.testing.assert_close(cpu_dct.dct2(t), cpu_dct.dct2(t.contiguous()), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_out_buffer_gets_the_same_values_and_may_be_the_input(dtype, dims):
+    x = randn(2, 3, 6, 33, dtype=torch.float32, seed=dims).to(dtype)
+    for fn in (F.dct, F.idct):
+        want = fn(x, dims)
+        out = torch.full_like(x, float("nan"))
+        assert fn(x, dims, out=out) is out and torch.equal(out, want)
+        inplace = x.clone()
+        assert fn(inplace, dims, out=inplace) is inplace and torch.equal(inplace, want)
+
+
+def test_out_buffer_that_does_not_fit_is_refused_naming_out():
+    x = randn(2, 3, 8, 8, dtype=torch.float32)
+    bad = {"shape": torch.empty(2, 3, 8, 7), "dtype": torch.empty(2, 3, 8, 8, dtype=torch.float64),
+           "layout": torch.empty(2, 3, 8, 8).transpose(-1, -2)}
+    for out in bad.values():
+        with pytest.raises(ValueError, match="^out: expected"):
+            F.dct(x, out=out)
+    flat = torch.zeros(2 * 3 * 8 * 8 + 1)
+    with pytest.raises(ValueError, match="^out: expected the input itself"):
+        F.dct(flat[:-1].view(2, 3, 8, 8), out=flat[1:].view(2, 3, 8, 8))  # overlapping, shifted
+    with pytest.raises(TypeError, match="^out: expected a torch.Tensor"):
+        F.idct(x, out=x.numpy())
+    with pytest.raises(ValueError, match="^out: not supported where a gradient"):
+        F.dct(x.clone().requires_grad_(), out=torch.empty_like(x))

@@ -97,10 +97,18 @@ def _status(name: str, status: int) -> None:
         raise MemoryError(f"{name}: out of memory for the per-thread scratch buffers")
 
 
-def dct2(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """DCT-II (or its inverse) over the last 2 dims of a float32 CPU tensor (..., h, w)."""
+def dct2(x: torch.Tensor, inverse: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """DCT-II (or its inverse) over the last 2 dims of a float32 CPU tensor (..., h, w).
+
+    `out`: a contiguous float32 CPU tensor of x's shape to write to (x itself is allowed: each
+    map is read into scratch before its output is written); a fresh one when None.
+    """
     x, maps, h, w = _check_maps("x", x)
-    out = torch.empty_like(x)
+    if out is None:
+        out = torch.empty_like(x)
+    elif not (isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.device.type == "cpu"
+              and out.shape == x.shape and out.is_contiguous()):
+        raise ValueError(f"out: expected a contiguous float32 CPU tensor of shape {tuple(x.shape)}")
     _status("dct2", _lib().freqact_dct(maps, h, w, x.data_ptr(), out.data_ptr(), int(bool(inverse)),
                                        _threads()))
     return out
