@@ -133,76 +133,95 @@ static inline void vstore_part(float *p, vec v, int64_t count) {
     }
 }
 
-/* out_r[0:m] = sum_j s_r[j] * mat[j * stride + 0:m] for the `rows` (<= GROUP) vectors
- * s_r = s + r * s_stride, written to out + r * out_stride; stride = padded(m). */
-static void vec_mat_rows(const float *restrict s, int64_t s_stride, int rows, int64_t len,
+/* The blocks below keep `rows` (1 to GROUP; a constant where inlined) output rows of LANES
+ * columns in registers, each as two partial sums (the even and the odd terms), so that even a
+ * single row keeps two independent multiply-add chains in flight (one chain waits on the
+ * multiply-add latency: the corner transforms' 7-row products were latency-bound). */
+
+/* out_r[0:count] = sum_j s_r[j] * mat[j * stride + 0:count] for r < rows, s_r = s + r * s_stride,
+ * out_r = out + r * out_stride. */
+static inline __attribute__((always_inline)) void
+vec_mat_block(const float *restrict s, int64_t s_stride, const int rows, int64_t len,
+              const float *restrict mat, int64_t stride, int64_t count, float *restrict out,
+              int64_t out_stride) {
+    vec even[GROUP], odd[GROUP];
+    for (int r = 0; r < rows; r++)
+        even[r] = odd[r] = (vec){0};
+    int64_t j = 0;
+    for (; j + 1 < len; j += 2) {
+        const vec m0 = vload(mat + j * stride), m1 = vload(mat + (j + 1) * stride);
+        for (int r = 0; r < rows; r++) {
+            even[r] += s[r * s_stride + j] * m0;
+            odd[r] += s[r * s_stride + j + 1] * m1;
+        }
+    }
+    if (j < len) {
+        const vec m0 = vload(mat + j * stride);
+        for (int r = 0; r < rows; r++)
+            even[r] += s[r * s_stride + j] * m0;
+    }
+    for (int r = 0; r < rows; r++)
+        vstore_part(out + r * out_stride, even[r] + odd[r], count);
+}
+
+/* out_r[0:m] = sum_j s_r[j] * mat[j * padded(m) + 0:m] (j < len) for every r < rows (any count),
+ * s_r = s + r * s_stride, out_r = out + r * out_stride. */
+static void vec_mat_rows(const float *restrict s, int64_t s_stride, int64_t rows, int64_t len,
                          const float *restrict mat, int64_t m, float *restrict out,
                          int64_t out_stride) {
     const int64_t stride = padded(m);
-    for (int64_t q0 = 0; q0 < m; q0 += LANES) {
-        const int64_t count = m - q0 < LANES ? m - q0 : LANES;
-        if (rows == GROUP) {
-            vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            for (int64_t j = 0; j < len; j++) {
-                const vec row = vload(mat + j * stride + q0);
-                a0 += s[j] * row;
-                a1 += s[s_stride + j] * row;
-                a2 += s[2 * s_stride + j] * row;
-                a3 += s[3 * s_stride + j] * row;
-            }
-            vstore_part(out + q0, a0, count);
-            vstore_part(out + out_stride + q0, a1, count);
-            vstore_part(out + 2 * out_stride + q0, a2, count);
-            vstore_part(out + 3 * out_stride + q0, a3, count);
-        } else {
-            for (int r = 0; r < rows; r++) {
-                vec a0 = {0};
-                for (int64_t j = 0; j < len; j++)
-                    a0 += s[r * s_stride + j] * vload(mat + j * stride + q0);
-                vstore_part(out + r * out_stride + q0, a0, count);
-            }
+    for (int64_t r0 = 0; r0 < rows; r0 += GROUP) {
+        const int64_t n = rows - r0 < GROUP ? rows - r0 : GROUP;
+        const float *sr = s + r0 * s_stride;
+        float *o = out + r0 * out_stride;
+        for (int64_t q0 = 0; q0 < m; q0 += LANES) {
+            const int64_t count = m - q0 < LANES ? m - q0 : LANES;
+            if (n == 4)
+                vec_mat_block(sr, s_stride, 4, len, mat + q0, stride, count, o + q0, out_stride);
+            else if (n == 3)
+                vec_mat_block(sr, s_stride, 3, len, mat + q0, stride, count, o + q0, out_stride);
+            else if (n == 2)
+                vec_mat_block(sr, s_stride, 2, len, mat + q0, stride, count, o + q0, out_stride);
+            else
+                vec_mat_block(sr, s_stride, 1, len, mat + q0, stride, count, o + q0, out_stride);
         }
     }
 }
 
-/* out[0:m] = sum_j s[j] * mat[j * padded(m) + 0:m] (j < len). */
-static void vec_mat(const float *restrict s, int64_t len, const float *restrict mat, int64_t m,
-                    float *restrict out) {
-    vec_mat_rows(s, 0, 1, len, mat, m, out, 0);
+/* y_r[0:LANES] = sum_i a[r * lda + i] * x[i * x_stride + 0:LANES] for r < rows,
+ * y_r = y + r * y_stride. */
+static inline __attribute__((always_inline)) void
+rows_block(const float *restrict a, int64_t lda, const int rows, int64_t len,
+           const float *restrict x, int64_t x_stride, float *restrict y, int64_t y_stride) {
+    vec even[GROUP], odd[GROUP];
+    for (int r = 0; r < rows; r++)
+        even[r] = odd[r] = (vec){0};
+    int64_t i = 0;
+    for (; i + 1 < len; i += 2) {
+        const vec x0 = vload(x + i * x_stride), x1 = vload(x + (i + 1) * x_stride);
+        for (int r = 0; r < rows; r++) {
+            even[r] += a[r * lda + i] * x0;
+            odd[r] += a[r * lda + i + 1] * x1;
+        }
+    }
+    if (i < len) {
+        const vec x0 = vload(x + i * x_stride);
+        for (int r = 0; r < rows; r++)
+            even[r] += a[r * lda + i] * x0;
+    }
+    for (int r = 0; r < rows; r++)
+        vstore(y + r * y_stride, even[r] + odd[r]);
 }
 
-/* GROUP output rows of LANES columns of mat_rows. */
-static void rows_block4(const float *restrict a, int64_t lda, int64_t len, const float *restrict x,
-                        int64_t x_stride, float *restrict y, int64_t y_stride) {
-    vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    for (int64_t i = 0; i < len; i++) {
-        const vec xr = vload(x + i * x_stride);
-        a0 += a[i] * xr;
-        a1 += a[lda + i] * xr;
-        a2 += a[2 * lda + i] * xr;
-        a3 += a[3 * lda + i] * xr;
-    }
-    vstore(y, a0);
-    vstore(y + y_stride, a1);
-    vstore(y + 2 * y_stride, a2);
-    vstore(y + 3 * y_stride, a3);
-}
-
-/* One output row, columns [0, cols) (any count). */
-static void rows_block1(const float *restrict a, int64_t len, const float *restrict x,
-                        int64_t x_stride, int64_t cols, float *restrict y) {
-    int64_t c = 0;
-    for (; c + LANES <= cols; c += LANES) {
-        vec a0 = {0};
+/* Columns [c0, cols) of one output row, scalar (fewer than LANES columns: a vector load there
+ * could read past the last row of x). */
+static void row_tail(const float *restrict a, int64_t len, const float *restrict x,
+                     int64_t x_stride, int64_t c0, int64_t cols, float *restrict y) {
+    for (int64_t c = c0; c < cols; c++) {
+        float sum = 0.0f;
         for (int64_t i = 0; i < len; i++)
-            a0 += a[i] * vload(x + i * x_stride + c);
-        vstore(y + c, a0);
-    }
-    for (; c < cols; c++) {
-        float a0 = 0.0f;
-        for (int64_t i = 0; i < len; i++)
-            a0 += a[i] * x[i * x_stride + c];
-        y[c] = a0;
+            sum += a[i] * x[i * x_stride + c];
+        y[c] = sum;
     }
 }
 
@@ -212,17 +231,23 @@ static void mat_rows(const float *restrict a, int64_t lda, int64_t m, int64_t le
                      const float *restrict x, int64_t x_stride, int64_t cols, float *restrict y,
                      int64_t y_stride) {
     const int64_t full = cols / LANES * LANES;
-    int64_t k = 0;
-    for (; k + GROUP <= m; k += GROUP) {
-        for (int64_t c = 0; c < full; c += LANES)
-            rows_block4(a + k * lda, lda, len, x + c, x_stride, y + k * y_stride + c, y_stride);
-        if (full < cols)
-            for (int r = 0; r < GROUP; r++)
-                rows_block1(a + (k + r) * lda, len, x + full, x_stride, cols - full,
-                            y + (k + r) * y_stride + full);
+    for (int64_t k = 0; k < m; k += GROUP) {
+        const int64_t n = m - k < GROUP ? m - k : GROUP;
+        const float *ak = a + k * lda;
+        float *yk = y + k * y_stride;
+        for (int64_t c = 0; c < full; c += LANES) {
+            if (n == 4)
+                rows_block(ak, lda, 4, len, x + c, x_stride, yk + c, y_stride);
+            else if (n == 3)
+                rows_block(ak, lda, 3, len, x + c, x_stride, yk + c, y_stride);
+            else if (n == 2)
+                rows_block(ak, lda, 2, len, x + c, x_stride, yk + c, y_stride);
+            else
+                rows_block(ak, lda, 1, len, x + c, x_stride, yk + c, y_stride);
+        }
+        for (int64_t r = 0; r < n; r++)
+            row_tail(ak + r * lda, len, x, x_stride, full, cols, yk + r * y_stride);
     }
-    for (; k < m; k++)
-        rows_block1(a + k * lda, len, x, x_stride, cols, y + k * y_stride);
 }
 
 /* Interleaving LANES / 2 even and LANES / 2 odd values (the low halves of e and o) into LANES
@@ -280,11 +305,7 @@ rows_forward_group(const half_plan *p, const float *restrict x, int rows, float 
 /* out[r] = in[r] mat for `rows` rows of length n (mat: p->full_t forward, p->full inverse). */
 static void rows_product(int64_t n, const float *restrict mat, const float *restrict in,
                          int64_t rows, float *restrict out) {
-    int64_t r = 0;
-    for (; r + GROUP <= rows; r += GROUP)
-        vec_mat_rows(in + r * n, n, GROUP, n, mat, n, out + r * n, n);
-    for (; r < rows; r++)
-        vec_mat(in + r * n, n, mat, n, out + r * n);
+    vec_mat_rows(in, n, rows, n, mat, n, out, n);
 }
 
 static void rows_forward(const half_plan *p, const float *restrict x, int64_t rows,
@@ -503,8 +524,7 @@ static void map_corner(const corner_plan *p, const float *restrict x, float *res
                        float *restrict corner) {
     const int64_t h = p->h, w = p->w, wh = p->wh, ww = p->ww;
     mat_rows(p->dh, padded(h), wh, h, x, w, w, s, w);
-    for (int64_t k = 0; k < wh; k++)
-        vec_mat(s + k * w, w, p->dw_t, ww, corner + k * ww);
+    vec_mat_rows(s, w, wh, w, p->dw_t, ww, corner, ww);
 }
 
 /* out (h, w) = the inverse DCT of one (wh, ww) corner, zeros elsewhere: rows first
@@ -512,8 +532,7 @@ static void map_corner(const corner_plan *p, const float *restrict x, float *res
 static void map_synthesis(const corner_plan *p, const float *restrict corner, float *restrict r,
                           float *restrict out) {
     const int64_t h = p->h, w = p->w, wh = p->wh, ww = p->ww;
-    for (int64_t k = 0; k < wh; k++)
-        vec_mat(corner + k * ww, ww, p->dw, w, r + k * w);
+    vec_mat_rows(corner, ww, wh, ww, p->dw, w, r, w);
     mat_rows(p->dh_t, padded(wh), h, wh, r, w, w, out, w);
 }
 
@@ -560,6 +579,13 @@ int freqact_idct_corner(int64_t maps, int64_t h, int64_t w, int64_t wh, int64_t 
     return failed ? -1 : 0;
 }
 
+/* out = a - b over n floats (restrict: vectorised without a runtime overlap check). */
+static void subtract(const float *restrict a, const float *restrict b, int64_t n,
+                     float *restrict out) {
+    for (int64_t i = 0; i < n; i++)
+        out[i] = a[i] - b[i];
+}
+
 /* dst (maps, h, w) = each map of src minus the inverse DCT of its own wh x ww corner: the
  * high-pass part, from the two corner transforms while the map is in cache (one read of src, one
  * write of dst). Returns 0; -1 when out of memory; 1 when a corner coefficient was not finite
@@ -587,8 +613,7 @@ int freqact_highpass(int64_t maps, int64_t h, int64_t w, int64_t wh, int64_t ww,
             for (size_t k = 0; k < corner; k++)
                 overflow |= !isfinite(c[k]);
             map_synthesis(&p, c, r, low);
-            for (int64_t i = 0; i < h * w; i++)
-                y[i] = x[i] - low[i];
+            subtract(x, low, h * w, y);
         }
         free(scratch);
     }
