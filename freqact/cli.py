@@ -164,7 +164,7 @@ def _eval(args: argparse.Namespace) -> int:
     result = train.evaluate_checkpoint(args.checkpoint, data_dir=args.data_dir, device=args.device,
                                        batch_size=args.batch_size)
     print(f"{args.checkpoint} (epoch {result['epoch']}): test loss {result['loss']:.4f}  "
-          f"accuracy {result['accuracy']:.4f}  ({result['count']} images)")
+          f"accuracy {result['accuracy']:.4f}  ({result['count']} {result['unit']})")
     return 0
 
 

@@ -45,7 +45,8 @@ def evaluate_checkpoint(path: str, *, data_dir: str | None = None, device: str |
         batch_size: evaluation batch size.
 
     Returns:
-        `evaluate`'s dict plus "epoch" and "checkpoint".
+        `evaluate`'s dict plus "epoch", "checkpoint" and "unit" (what "count" counts: "images",
+        or "tokens" for the text dataset, whose every next byte is a target).
     """
     ctx = distributed.Context(device=distributed.pick_device(device))
     net, ckpt = checkpoint.load_model(path, ctx.device)
@@ -53,7 +54,9 @@ def evaluate_checkpoint(path: str, *, data_dir: str | None = None, device: str |
     ds = data.load_for_model(cfg["dataset"], net, data_dir or cfg["data_dir"], subset=cfg["subset"],
                              seed=cfg["seed"], device=ctx.device)
     batches = eval_batches(ds, net, ctx, _validate.positive_int("batch_size", batch_size))
-    return {**evaluate(net, batches, ctx.device), "epoch": ckpt["epoch"], "checkpoint": str(path)}
+    unit = "tokens" if cfg["dataset"] == data.TEXT_DATASET else "images"
+    return {**evaluate(net, batches, ctx.device), "epoch": ckpt["epoch"], "checkpoint": str(path),
+            "unit": unit}
 
 
 

@@ -47,6 +47,15 @@ def test_gpt_trains_one_epoch_from_the_cli(tmp_path):
     assert row["test_loss"] == pytest.approx(float(nats), rel=1e-5)
 
 
+def test_eval_of_a_text_run_counts_tokens(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli.main(_train_args(out, "--epochs", "1")) == 0
+    capsys.readouterr()
+    assert cli.main(["eval", str(out / "ckpt" / "last.pt"), "--device", "cpu"]) == 0
+    test_windows = len(data.load_text(context=TINY["context"]).test_labels)
+    assert capsys.readouterr().out.rstrip().endswith(f"({test_windows * TINY['context']} tokens)")
+
+
 def test_resume_continues_the_same_text_run(tmp_path):
     out = tmp_path / "run"
     args = _train_args(out, "--epochs", "2", "--save-every", "1", "--mode", "division")

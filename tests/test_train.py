@@ -178,6 +178,7 @@ def test_cli_train_then_eval(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"accuracy {last['test_acc']:.4f}" in printed
     assert f"loss {last['test_loss']:.4f}" in printed
+    assert printed.rstrip().endswith("images)")
 
 
 @pytest.mark.parametrize("argv, match", [
