@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print_table(["paired (same seed)", "seeds", "Δ test loss", "Δ test acc", "Δ loss per seed"],
                 paired)
-    path = Path(args.results) if args.results else RESULTS_DIR / f"{study.name}-cpu.json"
+    path = Path(args.results) if args.results else RESULTS_DIR / f"{study.name}.json"
     written = write_results(path.stem, {"study": study.name, "description": study.description,
                                         "out": str(study.out), **summary},
                             device="cpu", directory=path.parent)
