@@ -139,9 +139,10 @@ static inline void vstore_part(float *p, vec v, int64_t count) {
  * multiply-add latency: the corner transforms' 7-row products were latency-bound). */
 
 /* out_r[0:count] = sum_j s_r[j] * mat[j * stride + 0:count] for r < rows, s_r = s + r * s_stride,
- * out_r = out + r * out_stride. */
+ * out_r = out + r * out_stride: rows of scalars against shared vector rows (both products below:
+ * a vector times a table, and a table times a block of map rows). */
 static inline __attribute__((always_inline)) void
-vec_mat_block(const float *restrict s, int64_t s_stride, const int rows, int64_t len,
+block_product(const float *restrict s, int64_t s_stride, const int rows, int64_t len,
               const float *restrict mat, int64_t stride, int64_t count, float *restrict out,
               int64_t out_stride) {
     vec even[GROUP], odd[GROUP];
@@ -164,6 +165,21 @@ vec_mat_block(const float *restrict s, int64_t s_stride, const int rows, int64_t
         vstore_part(out + r * out_stride, even[r] + odd[r], count);
 }
 
+/* block_product for rows in 1..GROUP, each count compiled with its own registers (inlined: a
+ * call per block costs the small corner products a third of their time). */
+static inline __attribute__((always_inline)) void product_of_rows(const float *restrict s, int64_t s_stride, int64_t rows, int64_t len,
+                            const float *restrict mat, int64_t stride, int64_t count,
+                            float *restrict out, int64_t out_stride) {
+    if (rows == 4)
+        block_product(s, s_stride, 4, len, mat, stride, count, out, out_stride);
+    else if (rows == 3)
+        block_product(s, s_stride, 3, len, mat, stride, count, out, out_stride);
+    else if (rows == 2)
+        block_product(s, s_stride, 2, len, mat, stride, count, out, out_stride);
+    else
+        block_product(s, s_stride, 1, len, mat, stride, count, out, out_stride);
+}
+
 /* out_r[0:m] = sum_j s_r[j] * mat[j * padded(m) + 0:m] (j < len) for every r < rows (any count),
  * s_r = s + r * s_stride, out_r = out + r * out_stride. */
 static void vec_mat_rows(const float *restrict s, int64_t s_stride, int64_t rows, int64_t len,
@@ -176,41 +192,9 @@ static void vec_mat_rows(const float *restrict s, int64_t s_stride, int64_t rows
         float *o = out + r0 * out_stride;
         for (int64_t q0 = 0; q0 < m; q0 += LANES) {
             const int64_t count = m - q0 < LANES ? m - q0 : LANES;
-            if (n == 4)
-                vec_mat_block(sr, s_stride, 4, len, mat + q0, stride, count, o + q0, out_stride);
-            else if (n == 3)
-                vec_mat_block(sr, s_stride, 3, len, mat + q0, stride, count, o + q0, out_stride);
-            else if (n == 2)
-                vec_mat_block(sr, s_stride, 2, len, mat + q0, stride, count, o + q0, out_stride);
-            else
-                vec_mat_block(sr, s_stride, 1, len, mat + q0, stride, count, o + q0, out_stride);
+            product_of_rows(sr, s_stride, n, len, mat + q0, stride, count, o + q0, out_stride);
         }
     }
-}
-
-/* y_r[0:LANES] = sum_i a[r * lda + i] * x[i * x_stride + 0:LANES] for r < rows,
- * y_r = y + r * y_stride. */
-static inline __attribute__((always_inline)) void
-rows_block(const float *restrict a, int64_t lda, const int rows, int64_t len,
-           const float *restrict x, int64_t x_stride, float *restrict y, int64_t y_stride) {
-    vec even[GROUP], odd[GROUP];
-    for (int r = 0; r < rows; r++)
-        even[r] = odd[r] = (vec){0};
-    int64_t i = 0;
-    for (; i + 1 < len; i += 2) {
-        const vec x0 = vload(x + i * x_stride), x1 = vload(x + (i + 1) * x_stride);
-        for (int r = 0; r < rows; r++) {
-            even[r] += a[r * lda + i] * x0;
-            odd[r] += a[r * lda + i + 1] * x1;
-        }
-    }
-    if (i < len) {
-        const vec x0 = vload(x + i * x_stride);
-        for (int r = 0; r < rows; r++)
-            even[r] += a[r * lda + i] * x0;
-    }
-    for (int r = 0; r < rows; r++)
-        vstore(y + r * y_stride, even[r] + odd[r]);
 }
 
 /* Columns [c0, cols) of one output row, scalar (fewer than LANES columns: a vector load there
@@ -235,16 +219,8 @@ static void mat_rows(const float *restrict a, int64_t lda, int64_t m, int64_t le
         const int64_t n = m - k < GROUP ? m - k : GROUP;
         const float *ak = a + k * lda;
         float *yk = y + k * y_stride;
-        for (int64_t c = 0; c < full; c += LANES) {
-            if (n == 4)
-                rows_block(ak, lda, 4, len, x + c, x_stride, yk + c, y_stride);
-            else if (n == 3)
-                rows_block(ak, lda, 3, len, x + c, x_stride, yk + c, y_stride);
-            else if (n == 2)
-                rows_block(ak, lda, 2, len, x + c, x_stride, yk + c, y_stride);
-            else
-                rows_block(ak, lda, 1, len, x + c, x_stride, yk + c, y_stride);
-        }
+        for (int64_t c = 0; c < full; c += LANES)
+            product_of_rows(ak, lda, n, len, x + c, x_stride, LANES, yk + c, y_stride);
         for (int64_t r = 0; r < n; r++)
             row_tail(ak + r * lda, len, x, x_stride, full, cols, yk + r * y_stride);
     }
@@ -281,7 +257,7 @@ static void deinterleave(const float *restrict y, int64_t n, float *restrict e,
 /* Scratch of the row passes, per thread: u, v, e, o of GROUP rows each, padded. */
 static size_t row_scratch_floats(int64_t n) { return (size_t)(4 * (GROUP * n + 2 * LANES)); }
 
-/* Forward along `rows` (1 or GROUP) rows of length p->n: t[r] = D x[r]. */
+/* Forward along `rows` (1 to GROUP) rows of length p->n: t[r] = D x[r]. */
 static inline __attribute__((always_inline)) void
 rows_forward_group(const half_plan *p, const float *restrict x, int rows, float *restrict t,
                    float *restrict scratch) {
@@ -302,26 +278,6 @@ rows_forward_group(const half_plan *p, const float *restrict x, int rows, float 
         interleave(e + r * n, o + r * n, n, t + r * n);
 }
 
-/* out[r] = in[r] mat for `rows` rows of length n (mat: p->full_t forward, p->full inverse). */
-static void rows_product(int64_t n, const float *restrict mat, const float *restrict in,
-                         int64_t rows, float *restrict out) {
-    vec_mat_rows(in, n, rows, n, mat, n, out, n);
-}
-
-static void rows_forward(const half_plan *p, const float *restrict x, int64_t rows,
-                         float *restrict t, float *restrict scratch) {
-    const int64_t n = p->n;
-    if (p->full_t) {
-        rows_product(n, p->full_t, x, rows, t);
-        return;
-    }
-    int64_t r = 0;
-    for (; r + GROUP <= rows; r += GROUP)
-        rows_forward_group(p, x + r * n, GROUP, t + r * n, scratch);
-    for (; r < rows; r++)
-        rows_forward_group(p, x + r * n, 1, t + r * n, scratch);
-}
-
 /* Forward along the columns of an (n x cols) block: y = D t. scratch: n * cols floats. */
 static void cols_forward(const half_plan *p, const float *restrict t, int64_t cols,
                          float *restrict y, float *restrict scratch) {
@@ -338,7 +294,7 @@ static void cols_forward(const half_plan *p, const float *restrict t, int64_t co
     mat_rows(p->io, p->po, no, no, v, cols, cols, y + cols, 2 * cols); /* rows 1, 3, ... */
 }
 
-/* Inverse along `rows` (1 or GROUP) rows: x[r] = D^T y[r]; y readable 2 LANES past its rows. */
+/* Inverse along `rows` (1 to GROUP) rows: x[r] = D^T y[r]; y readable 2 LANES past its rows. */
 static inline __attribute__((always_inline)) void
 rows_inverse_group(const half_plan *p, const float *restrict y, int rows, float *restrict x,
                    float *restrict scratch) {
@@ -359,18 +315,22 @@ rows_inverse_group(const half_plan *p, const float *restrict y, int rows, float 
     }
 }
 
-static void rows_inverse(const half_plan *p, const float *restrict y, int64_t rows,
-                         float *restrict x, float *restrict scratch) {
+/* Along `rows` rows of length p->n: out[r] = D in[r] (forward) or D^T in[r] (inverse). */
+static void rows_pass(const half_plan *p, const float *restrict in, int64_t rows,
+                      float *restrict out, float *restrict scratch, int inverse) {
     const int64_t n = p->n;
-    if (p->full) {
-        rows_product(n, p->full, y, rows, x);
+    const float *full = inverse ? p->full : p->full_t;
+    if (full) {
+        vec_mat_rows(in, n, rows, n, full, n, out, n);
         return;
     }
-    int64_t r = 0;
-    for (; r + GROUP <= rows; r += GROUP)
-        rows_inverse_group(p, y + r * n, GROUP, x + r * n, scratch);
-    for (; r < rows; r++)
-        rows_inverse_group(p, y + r * n, 1, x + r * n, scratch);
+    for (int64_t r = 0; r < rows; r += GROUP) {
+        const int count = rows - r < GROUP ? (int)(rows - r) : GROUP;
+        if (inverse)
+            rows_inverse_group(p, in + r * n, count, out + r * n, scratch);
+        else
+            rows_forward_group(p, in + r * n, count, out + r * n, scratch);
+    }
 }
 
 /* Inverse along the columns of an (n x cols) block: x = D^T y. scratch: n * cols floats. */
@@ -396,9 +356,9 @@ static void map_transform(const half_plan *ph, const half_plan *pw, const float 
     const int64_t h = ph->n, w = pw->n;
     if (inverse) {
         cols_inverse(ph, src, w, tmp, scratch);
-        rows_inverse(pw, tmp, h, dst, scratch);
+        rows_pass(pw, tmp, h, dst, scratch, 1);
     } else {
-        rows_forward(pw, src, h, tmp, scratch);
+        rows_pass(pw, src, h, tmp, scratch, 0);
         cols_forward(ph, tmp, w, dst, scratch);
     }
 }
