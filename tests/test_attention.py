@@ -9,7 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import freqact
 from freqact import codecs, models
-from freqact.engine import attention
+from freqact.engine import attention, sdpa_math
 from freqact.engine.layouts import TokenLayout, packed_nbytes
 
 
@@ -98,13 +98,15 @@ def test_bytes_are_the_packed_forms_and_nothing_for_out_and_logsumexp():
     assert meter.exact_bytes == 4 * q.numel() * 4 + 2 * 3 * 48 * 4
 
 
-@pytest.mark.parametrize("case", ["math", "dropout", "small", "same-qk"])
+@pytest.mark.parametrize("case", ["small", "same-qk", "math-q-without-grad"])
 def test_q_and_k_stay_exact_where_nothing_can_be_recomputed(case):
     q, k, v = _qkv(shape=(1, 2, 8, 8) if case == "small" else (2, 3, 48, 16))
     if case == "same-qk":
         k = q
-    model = Attend(dropout_p=0.5) if case == "dropout" else Attend(is_causal=True)
-    with (sdpa_kernel(SDPBackend.MATH) if case == "math" else torch.enable_grad()), \
+    if case == "math-q-without-grad":  # the rerun could not save what the forward saved
+        q = q.detach()
+    model = Attend(is_causal=True)
+    with (sdpa_kernel(SDPBackend.MATH) if case.startswith("math") else torch.enable_grad()), \
             freqact.compress(model, "division") as meter:
         model(q, k, v)
     assert "recomputed" not in meter.by_route()
@@ -131,3 +133,194 @@ def test_zoo_gpt_recomputes_every_layer_and_trains():
     division, meter = grads("division")
     assert meter.by_route()["recomputed"]["count"] == 2 * 2  # out and logsumexp per layer
     assert float((division - plain).norm() / plain.norm()) < 2
+
+
+# --- the math backend (a float attn_mask of rank 3 / requiring grad, dropout) ------------------
+
+class BiasAttend(nn.Module):
+    """SDPA with a learned (heads, T, T) bias, plus a constant (windows, T, T) mask repeated
+    over the images when `windows` (Swin's shifted windows), dropout and is_causal optional."""
+
+    def __init__(self, heads=3, tokens=48, windows=0, dropout=0.0, causal=False):
+        super().__init__()
+        gen = torch.Generator().manual_seed(4)
+        self.bias = nn.Parameter(torch.randn(heads, tokens, tokens, generator=gen))
+        shift = torch.zeros(windows, tokens, tokens)
+        for w in range(windows):  # a different -inf pattern per window, the diagonal kept
+            cut = torch.rand(tokens, tokens, generator=gen) < 0.3 * w / max(windows, 1)
+            shift[w][cut & ~torch.eye(tokens, dtype=torch.bool)] = float("-inf")
+        self.register_buffer("shift", shift if windows else None)
+        self.dropout, self.causal = dropout, causal
+
+    def mask(self, n):
+        if self.causal:  # SDPA takes no mask with is_causal
+            return None
+        if self.shift is None:
+            return self.bias
+        return (self.bias + self.shift[:, None]).repeat(n // self.shift.shape[0], 1, 1, 1)
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(q.shape[0]),
+                                              dropout_p=self.dropout, is_causal=self.causal)
+
+
+_MATH_CASES = {"bias": {}, "bias+shift-mask": {"windows": 2}, "dropout": {"dropout": 0.3},
+               "causal+dropout": {"dropout": 0.2, "causal": True},
+               "shift-mask+dropout": {"windows": 2, "dropout": 0.1}}
+
+
+def _grads_with_bias(model, q, k, v, codec, grad, seed=7):
+    for t in (q, k, v, model.bias):
+        t.grad = None
+    torch.manual_seed(seed)
+    if codec is None:
+        out, meter = model(q, k, v), None
+    else:
+        with freqact.compress(model, codec) as meter:
+            out = model(q, k, v)
+    out.backward(grad)
+    return [t.grad.clone() for t in (q, k, v)] + [
+        None if model.causal else model.bias.grad.clone()], out, meter
+
+
+@pytest.mark.parametrize("case", list(_MATH_CASES))
+def test_math_path_exact_is_bit_identical_and_division_recomputes(case):
+    model = BiasAttend(**_MATH_CASES[case])
+    q, k, v = _qkv(3, (4, 3, 48, 16))
+    grad = torch.randn(4, 3, 48, 16, generator=torch.Generator().manual_seed(8))
+    plain, out, _ = _grads_with_bias(model, q, k, v, None, grad)
+    exact, out_exact, meter = _grads_with_bias(model, q, k, v, "exact", grad)
+    assert torch.equal(out, out_exact) and all(
+        torch.equal(a, b) for a, b in zip(plain, exact) if a is not None)
+    assert meter.saved_bytes <= meter.exact_bytes
+    division, out_division, meter = _grads_with_bias(model, q, k, v, "division", grad)
+    if not model.dropout:  # the forward is plain PyTorch's (with dropout the codec drew first)
+        assert torch.equal(out_division, out)
+    routes = meter.by_route()
+    # bmm(q, k^T), softmax and bmm(P, v) save 5 tensors (P twice); dropout adds its noise
+    assert routes["recomputed"]["count"] + routes["division feat/chan"]["count"] == (
+        6 if model.dropout else 5)
+    assert "kept" not in routes
+    assert all(torch.isfinite(g).all() for g in division if g is not None)
+    assert 0 < _rel(division[:3], plain[:3]) < 2
+    fine, _, _ = _grads_with_bias(model, q, k, v, codecs.get("division", bits=8), grad)
+    if not model.dropout:  # with dropout the masks differ (the codec draws from the generator)
+        assert _rel(fine, plain) < 0.05 and _rel(fine[3:], plain[3:]) < 0.05
+
+
+def _decomposed(q, k, v, mask, noise, causal):
+    """Attention written out in plain autograd ops: softmax(q k^T / sqrt(d) + mask) * noise @ v."""
+    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    if mask is not None:
+        scores = scores + mask
+    if causal:
+        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(),
+                                    float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    return (p if noise is None else p * noise) @ v
+
+
+@pytest.mark.parametrize("case", list(_MATH_CASES))
+def test_math_path_gradient_is_attention_at_the_decoded_point(case, monkeypatch):
+    # every save recomputed from the decoded q, k, v with the exact mask and the forward's own
+    # dropout noise: backward equals plain autograd at (q_hat, k_hat, v_hat), the bias included
+    model = BiasAttend(**_MATH_CASES[case])
+    q, k, v = _qkv(5, (4, 3, 48, 16))
+    grad = torch.randn(4, 3, 48, 16, generator=torch.Generator().manual_seed(6))
+    decoded, noises = {}, []
+    real_decode, real_encode = attention.SdpaInput.decode, sdpa_math.MathSaves.encode
+
+    def spy_decode(self, packed):
+        x = real_decode(self, packed)
+        decoded[self.role] = x.view(self.call.shapes[self.role]).detach().clone()
+        return x
+
+    def spy_encode(self, x):
+        if x.grad_fn is None:  # the forward's dropout noise, as plain autograd saved it
+            noises.append(x.detach().clone())
+        return real_encode(self, x)
+    monkeypatch.setattr(attention.SdpaInput, "decode", spy_decode)
+    monkeypatch.setattr(sdpa_math.MathSaves, "encode", spy_encode)
+    got, _, _ = _grads_with_bias(model, q, k, v, "division", grad)
+    assert len(noises) == (1 if model.dropout else 0)
+    hats = [decoded[r].requires_grad_() for r in attention.ROLES]
+    assert not torch.equal(hats[0], q)
+    bias = model.bias.detach().clone().requires_grad_()
+    mask = bias if model.shift is None else (bias + model.shift[:, None]).repeat(2, 1, 1, 1)
+    _decomposed(*hats, None if model.causal else mask, noises[0] if noises else None,
+                model.causal).backward(grad)
+    assert (bias.grad is None) == model.causal
+    for g, want in zip(got, [*(h.grad for h in hats), bias.grad]):
+        if want is not None:
+            torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-5)
+
+
+def test_math_path_replays_the_rng_state_without_touching_the_callers_stream(monkeypatch):
+    model = BiasAttend(dropout=0.3)
+    q, k, v = _qkv(2, (4, 3, 48, 16))
+    calls = []
+    real_encode = sdpa_math.MathSaves.encode
+
+    def spy_encode(self, x):
+        calls.append(self)
+        return real_encode(self, x)
+    monkeypatch.setattr(sdpa_math.MathSaves, "encode", spy_encode)
+    with freqact.compress(model, "division"):
+        out = model(q, k, v)
+    state = torch.get_rng_state()
+    out.sum().backward(retain_graph=True)
+    assert torch.equal(torch.get_rng_state(), state)  # backward drew nothing from the stream
+    first = q.grad.clone()
+    q.grad = None
+    out.sum().backward(retain_graph=True)  # a second rerun: the same noise, the same gradient
+    assert torch.equal(q.grad, first)
+    assert len(set(map(id, calls))) == 1
+    calls[0].replay = torch.Generator().manual_seed(1).get_state()  # another mask is drawn
+    with pytest.raises(RuntimeError, match="dropout mask"):
+        out.sum().backward()
+
+
+def test_math_path_bytes_hold_the_packed_inputs_and_one_period_of_the_mask():
+    model = BiasAttend(windows=2)
+    q, k, v = _qkv(shape=(8, 3, 48, 16))
+    with freqact.compress(model, "division") as meter:
+        model(q, k, v)
+    routes = meter.by_route()
+    codec = TokenLayout(codecs.get("division"))
+    period = 2 * 3 * 48 * 48 * 4  # (windows, heads, T, T) of the (8, 3, T, T) repeated mask
+    assert routes["division feat/chan"]["saved_bytes"] == (
+        3 * packed_nbytes(codec, (24, 48, 16)) + period)
+    assert routes["recomputed"]["saved_bytes"] == 0
+    # plain PyTorch holds the scaled q and k^T, the softmax output and v (a view of it)
+    assert meter.exact_bytes == 3 * q.numel() * 4 + 8 * 3 * 48 * 48 * 4
+
+
+def test_zoo_swin_compresses_over_8x_and_its_gradient_stays_bounded():
+    torch.manual_seed(0)
+    model = models.get("swin", num_classes=10)
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 7])
+
+    def grads(codec):
+        model.zero_grad(set_to_none=True)
+        with freqact.compress(model, codec) as meter:
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()]), meter
+    plain, _ = grads("exact")
+    division, meter = grads(codecs.get("division", block=8, bits=2))
+    assert meter.ratio >= 8, meter.table()
+    attention_rows = [r for r in meter.per_layer() if r.type == "WindowAttention"]
+    assert len(attention_rows) == 6 and all("recomputed" in r.routes for r in attention_rows)
+    assert float((division - plain).norm() / plain.norm()) < 2
+
+
+@pytest.mark.parametrize("kwargs", [{"is_causal": True}, {"dropout_p": 0.2}])
+def test_two_calls_with_the_same_arguments_are_two_units(kwargs):
+    # the same q, k, v (alive, equal argument tuples): the tracker's call number tells them apart
+    q, k, v = _qkv(4, (2, 3, 48, 16))
+    model = Attend(**kwargs)
+    with freqact.compress(model, "division") as meter:
+        out = model(q, k, v) + model(q, k, v)
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    assert meter.by_route()["division feat/chan"]["count"] == (2 if kwargs.get("dropout_p") else 6)

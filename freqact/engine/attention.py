@@ -8,10 +8,13 @@ So one SDPA call is packed as a unit (`SdpaCall`): q, k, v go through `division`
 `feat/chan` layout of (N * heads, T, d) (`SdpaInput`), and the output and the logsumexp hold
 nothing (`Recomputed`): at unpack they are recomputed by the same kernel from the decoded q, k, v
 (one attention forward per call in backward), so P is the softmax of the decoded scores and
-the gradient is that of attention at the decoded point. Only where the recomputation is the
-saved kernel's own forward: the CPU flash backend, no dropout, q/k/v of one shape but the last
-dim (no grouped heads), q with at least `MIN_ELEMENTS` elements; otherwise the call's saves are
-routed as before (`routes._sdpa`).
+the gradient is that of attention at the decoded point. On the CPU flash backend (no dropout,
+q/k/v of one shape but the last dim) the recomputation is the saved kernel's own forward. On
+the MATH backend (a float mask of rank < 4 or requiring grad, dropout) autograd saves the
+decomposition's tensors instead, not q, k, v: q, k, v are packed at the call's first save and
+every save is recomputed by rerunning the decomposition (`sdpa_math.MathSaves`; q, k, v must
+require grad). Both need q with at least `MIN_ELEMENTS` elements, CPU tensors, no grouped heads
+(`enable_gqa`); otherwise the call's saves are routed as before (`routes._sdpa`).
 
 Softmax outputs with exact zeros (causal, masked) stay exact (`routes._probabilities`): with
 the zeros restored exactly (a 1-bit mask) the trained GPT still measured 5.2-5.7.
@@ -21,9 +24,11 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.nn.attention import SDPBackend
 
 from freqact.codecs.base import Codec
 from freqact.engine.layouts import LayoutPacked, TokenLayout, packed_nbytes, token_view
+from freqact.engine.sdpa_math import MathSaves
 
 __all__ = ["Recomputed", "RecomputedPacked", "SdpaCall", "SdpaInput"]
 
@@ -47,17 +52,20 @@ class SdpaCall:
     """The saves of one `F.scaled_dot_product_attention` call, packed as a unit.
 
     Holds weak references to the call's q, k, v (to recognise them), the packed forms of q, k, v
-    (the same objects their SavedVariables hold: no extra bytes) and the call's settings.
+    (on the flash path the same objects their SavedVariables hold: no extra bytes; on the math
+    path held for its `MathSaves`) and the call's settings. `mode` is "flash", "math" or None
+    (nothing recomputed).
 
     Args:
         args, kwargs: the call's arguments (from the function tracker).
         division: the block's TokenLayout codec (its division settings).
         min_elements: q must have at least this many elements to be packed.
+        call_id: the call's number (`tracker.FunctionTracker`): the saves with it are its own.
     """
 
-    def __init__(self, args: tuple, kwargs: dict, division: TokenLayout,
-                 min_elements: int) -> None:
-        self.key = id(args)
+    def __init__(self, args: tuple, kwargs: dict, division: TokenLayout, min_elements: int,
+                 call_id: int) -> None:
+        self.call_id = call_id
         q, k, v = (args[i] if len(args) > i else None for i in range(3))
         self.refs = tuple(weakref.ref(a) if isinstance(a, torch.Tensor) else None
                           for a in (q, k, v))
@@ -68,39 +76,54 @@ class SdpaCall:
         self.shapes = {r: tuple(a.shape) for r, a in zip(ROLES, (q, k, v))
                        if isinstance(a, torch.Tensor)}
         self.packed: dict[str, LayoutPacked] = {}
-        self.decoded: dict[str, weakref.ref] = {}
-        self.chosen: set[str] = set()
+        self.decoded_refs: dict[str, weakref.ref] = {}
         self.inputs = {r: SdpaInput(division, self, r) for r in ROLES}
         self.inputs_codec = self.inputs["q"]
-        self.recomputes = self._recomputable(q, k, v, kwargs, min_elements)
+        self.mode = self._mode(q, k, v, kwargs, min_elements)
         self.outputs = {r: Recomputed(self, r) for r in ("out", "lse")}
+        self.math = None
+        if self.mode == "math":  # the mask is not saved there: held by MathSaves, not here
+            self.math, self.mask = MathSaves(self, self.mask), None
 
-    def _recomputable(self, q, k, v, kwargs: dict, min_elements: int) -> bool:
-        if not all(isinstance(a, torch.Tensor) for a in (q, k, v)) or q.dim() != 4:
+    def _packable(self, q, k, v, kwargs: dict, min_elements: int) -> bool:
+        """q, k, v can all be packed: distinct CPU tensors of rank >= 3, smaller packed."""
+        if not all(isinstance(a, torch.Tensor) for a in (q, k, v)) or q.dim() < 3:
             return False
-        if q.device.type != "cpu" or self.dropout or kwargs.get("enable_gqa", False):
-            return False
-        if k.shape[:-1] != q.shape[:-1] or v.shape[:-1] != q.shape[:-1] or k.shape != q.shape:
+        if q.device.type != "cpu" or kwargs.get("enable_gqa", False):
             return False
         if q.numel() < min_elements or any(_same_view(a, b) for a, b in ((q, k), (q, v), (k, v))):
             return False
         # all three packed or none (the routes' own size check must not keep one of them)
-        if any(packed_nbytes(self.inputs_codec, token_view(tuple(a.shape), True))
-               >= a.numel() * a.element_size() for a in (q, k, v)):
-            return False
+        return all(packed_nbytes(self.inputs_codec, token_view(tuple(a.shape), True))
+                   < a.numel() * a.element_size() for a in (q, k, v))
+
+    def _mode(self, q, k, v, kwargs: dict, min_elements: int) -> str | None:
+        """"flash" or "math" (the backend whose saves are recomputed), None: routed as before."""
+        if not self._packable(q, k, v, kwargs, min_elements):
+            return None
         backend = torch._fused_sdp_choice(q, k, v, self.mask, self.dropout, self.causal,
                                           scale=self.scale)
-        return backend == int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+        if backend == int(SDPBackend.MATH):
+            # the rerun must save what the forward saved: q, k, v require grad as they did
+            return "math" if all(a.requires_grad for a in (q, k, v)) else None
+        flash = (backend == int(SDPBackend.FLASH_ATTENTION) and not self.dropout and q.dim() == 4
+                 and k.shape == q.shape and v.shape[:-1] == q.shape[:-1])
+        return "flash" if flash else None
 
-    def matches(self, args: tuple) -> bool:
-        """True when args are this call's (the tracker's tuple, its q/k/v still alive)."""
-        if id(args) != self.key:
-            return False
-        return all((ref() if ref is not None else None) is (args[i] if len(args) > i else None)
-                   for i, ref in enumerate(self.refs))
+    def route(self, t: torch.Tensor, op: str):
+        """The route of one save of this call (self.routes, built by the router), None: kept."""
+        if self.mode == "math":
+            return self.routes["recomputed" if self.math.metas else "attention"]
+        role = self.role(t, op)
+        if role in ROLES or (role in ("out", "lse") and self.complete):
+            return self.routes[role]
+        return None
 
     def role(self, t: torch.Tensor, op: str) -> str | None:
-        """"q", "k", "v" (the call's arguments), "out", "lse" (what the kernel returned), or None."""
+        """"q", "k", "v" (the call's arguments), "out", "lse" (what the kernel returned), or None
+        (always on the math path: its saves are not told apart)."""
+        if self.mode != "flash":
+            return None
         for name, ref in zip(ROLES, self.refs):
             if ref is not None and _same_view(t, ref()):
                 return name
@@ -122,17 +145,24 @@ class SdpaCall:
         """q, k and v were all packed (then the output and logsumexp can be recomputed)."""
         return all(r in self.packed for r in ROLES)
 
-    def _input(self, role: str) -> torch.Tensor:
+    def decoded(self, role: str) -> torch.Tensor:
         """The decoded q, k or v of shape (N, heads, T, d) (the one backward holds, if alive)."""
-        ref = self.decoded.get(role)
+        ref = self.decoded_refs.get(role)
         x = ref() if ref is not None else None
         if x is None:
             x = self.inputs[role].decode(self.packed[role])
         return x.view(self.shapes[role])
 
+    def pack_inputs(self) -> int:
+        """Pack q, k, v themselves (the math path saves none of them); returns their bytes."""
+        for role, ref in zip(ROLES, self.refs):
+            x = ref()
+            self.inputs[role].encode(x.reshape(token_view(tuple(x.shape), True)))
+        return sum(p.nbytes for p in self.packed.values())
+
     def recompute(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(out, logsumexp) of the CPU flash kernel on the decoded q, k, v."""
-        q, k, v = (self._input(r) for r in ROLES)
+        q, k, v = (self.decoded(r) for r in ROLES)
         with torch.no_grad():
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, 0.0, self.causal, attn_mask=self.mask, scale=self.scale)
@@ -153,7 +183,7 @@ class SdpaInput(TokenLayout):
 
     def decode(self, packed: LayoutPacked) -> torch.Tensor:
         x = super().decode(packed)
-        self.call.decoded[self.role] = weakref.ref(x)
+        self.call.decoded_refs[self.role] = weakref.ref(x)
         return x
 
 

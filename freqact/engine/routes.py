@@ -221,7 +221,8 @@ class Saved:
         input: the module's first tensor argument (None when it got none).
         is_input: tensor shares the input's storage (the input itself or a view of it).
         func: name of the outermost torch function running ("linear", "gelu", "softmax",
-            "scaled_dot_product_attention", ...; "" outside any); args, kwargs: its arguments.
+            "scaled_dot_product_attention", ...; "" outside any); args, kwargs: its arguments;
+            call_id: the number of that call (`tracker.FunctionTracker`).
     """
 
     tensor: torch.Tensor
@@ -231,6 +232,7 @@ class Saved:
     func: str = ""
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
+    call_id: int = -1
 
     @property
     def same_size(self) -> bool:
@@ -408,13 +410,14 @@ def _sdpa_call(site: Site, saved: Saved) -> SdpaCall | None:
     if not isinstance(division, TokenLayout):
         return None
     call = site.sdpa() if site.sdpa is not None else None
-    if call is None or not call.matches(saved.args) or (
-            call.role(saved.tensor, saved.op) in call.chosen):
-        call = SdpaCall(saved.args, saved.kwargs, division, MIN_ELEMENTS)
+    if call is None or call.call_id != saved.call_id:
+        call = SdpaCall(saved.args, saved.kwargs, division, MIN_ELEMENTS, saved.call_id)
         call.routes = {
             **{r: Route("attention", call.inputs[r], layout="feat/chan", heads=True)
                for r in ROLES},
-            **{r: Route("recomputed", call.outputs[r]) for r in ("out", "lse")}}
+            **{r: Route("recomputed", call.outputs[r]) for r in ("out", "lse")},
+            **{name: Route(name, codec) for name, codec in (call.math.codecs.items()
+                                                           if call.math else ())}}
         site.sdpa = weakref.ref(call)
     return call
 
@@ -422,15 +425,12 @@ def _sdpa_call(site: Site, saved: Saved) -> SdpaCall | None:
 def _sdpa(site: Site, saved: Saved) -> Route | None:
     t = saved.tensor
     # Its fused backward recomputes exp(q k^T - logsumexp): with the exact logsumexp an error on
-    # q or k enters exponentially. Where the kernel can be rerun (`attention.SdpaCall`), q, k, v
-    # are packed and out and logsumexp recomputed from their decoded forms, as a unit.
+    # q or k enters exponentially. Where the saves can be recomputed (`attention.SdpaCall`: the
+    # flash kernel, or the math backend's decomposition), q, k, v are packed and the rest
+    # recomputed from their decoded forms, as a unit.
     call = _sdpa_call(site, saved)
-    if call is not None and call.recomputes:
-        role = call.role(t, saved.op)
-        if role in ROLES or (role in ("out", "lse") and call.complete):
-            call.chosen.add(role)
-            return call.routes[role]
-        return KEEP
+    if call is not None and call.mode is not None:
+        return call.route(t, saved.op) or KEEP
     if t.numel() < MIN_ELEMENTS:
         return KEEP if site.kind is Kind.NONE else None
     return _sdpa_kept_qk(site, saved)

@@ -9,17 +9,21 @@ torch calls (`F.multi_head_attention_forward`) is seen as itself, never as its p
 """
 from __future__ import annotations
 
+import itertools
+
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["FunctionTracker"]
 
 
 class FunctionTracker(TorchFunctionMode):
-    """Records the running torch function; `current` is (name, args, kwargs) or None."""
+    """Records the running torch function; `current` is (name, args, kwargs, call) or None,
+    call the number of the call (two calls with the same arguments are told apart)."""
 
     def __init__(self) -> None:
         super().__init__()
         self._stack: list[tuple] = []
+        self._calls = itertools.count()
 
     @property
     def current(self) -> tuple | None:
@@ -27,7 +31,7 @@ class FunctionTracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self._stack.append((getattr(func, "__name__", ""), args, kwargs))
+        self._stack.append((getattr(func, "__name__", ""), args, kwargs, next(self._calls)))
         try:
             return func(*args, **kwargs)
         finally:

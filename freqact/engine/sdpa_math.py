@@ -1,0 +1,188 @@
+"""SDPA on the math backend: every save of its decomposition recomputed from the decoded q, k, v.
+
+Where `F.scaled_dot_product_attention` runs the MATH backend (a float `attn_mask` of rank < 4 or
+requiring grad: Swin's relative position bias; dropout in training: HF GPT-2, BERT), autograd
+saves the tensors of its decomposition, not q, k, v: the scaled q and k^T of q k^T, the softmax
+output, dropout's noise, the (dropped) probabilities and v of P v. `MathSaves` holds none of them:
+the call's own q, k, v are packed (`division` `feat/chan`, as on the flash path) at its first
+save, and at the first unpack in backward the decomposition is rerun, by the same function forced
+to the MATH backend, on the decoded q, k, v (requiring grad as the originals did, so autograd
+saves the same tensors), the same mask and the same dropout noise; what that rerun saves is what
+each SavedVariable unpacks (matched in order by shape and dtype). So backward is exactly the
+gradient of attention at (q_hat, k_hat, v_hat): softmax of the decoded scores, exact zeros under
+a mask, the mask's (a learned bias's) gradient from the same recomputed probabilities.
+
+What stays exact: the mask (`HeldMask`: held as is, or once per period when it repeats along the
+batch, Swin's windows x images), and the RNG state: dropout's noise depends only on the
+generator's state and the shape, so the state after the save before the noise (the softmax's;
+the codec's own draws come before it) is kept and the rerun starts from it (`fork_rng`: the
+caller's stream is untouched). The noise's nonzero count is kept too: a rerun that drew another
+mask raises instead of returning a wrong gradient.
+"""
+from __future__ import annotations
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from freqact.codecs.base import Codec
+
+__all__ = ["HeldMask", "MathPacked", "MathSave", "MathSaves"]
+
+
+def _storage_nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def _batch_period(mask: torch.Tensor) -> int:
+    """The smallest p < B with mask[i] == mask[i % p] for every i along dim 0 (0: none)."""
+    b = mask.shape[0] if mask.dim() >= 3 else 1
+    if b < 2 or mask.stride(0) == 0:
+        return 0
+    for p in range(1, b // 2 + 1):
+        if b % p == 0 and torch.equal(mask[p:2 * p], mask[:p]) and bool(
+                (mask.unflatten(0, (b // p, p)) == mask[:p]).all()):
+            return p
+    return 0
+
+
+class HeldMask:
+    """A math-path call's `attn_mask` (or None), held exactly for the rerun.
+
+    A mask that repeats along dim 0 (Swin's (images * windows, heads, T, T) bias + shift mask) is
+    held once per period (a copy); any other mask as is (its storage, in-place edits refused).
+    """
+
+    def __init__(self, mask: torch.Tensor | None) -> None:
+        self.mask = None if mask is None else mask.detach()
+        self.requires_grad = mask is not None and mask.requires_grad
+        self.period = 0 if mask is None else _batch_period(self.mask)
+        self.shape = None if mask is None else mask.shape
+        self.version = None if mask is None else mask._version
+        if self.period:
+            self.mask = self.mask[:self.period].clone()
+        self.nbytes = 0 if mask is None else _storage_nbytes(self.mask)
+
+    def rebuild(self) -> torch.Tensor | None:
+        """The mask of the call's shape and values, a leaf requiring grad as the original did."""
+        if self.mask is None:
+            return None
+        if self.period:
+            full = self.mask.expand(self.shape[0] // self.period, *self.mask.shape)
+            full = full.reshape(self.shape)
+        else:
+            if self.mask._version != self.version:
+                raise RuntimeError("compress: an attn_mask of scaled_dot_product_attention was "
+                                   "modified in place after the call; clone it before editing")
+            full = self.mask.detach()
+        return full.requires_grad_(self.requires_grad)
+
+
+class MathPacked:
+    """One save of a math-path call: its index in the call, and the bytes charged to it."""
+
+    __slots__ = ("index", "nbytes", "saves")
+
+    def __init__(self, saves: MathSaves, index: int, nbytes: int) -> None:
+        self.saves, self.index, self.nbytes = saves, index, nbytes
+
+
+class MathSaves:
+    """The saves of one SDPA call on the math backend, recomputed together.
+
+    Args:
+        call: the `attention.SdpaCall` (its settings, the packed q, k, v).
+        mask: the call's attn_mask (None: none).
+    """
+
+    def __init__(self, call, mask: torch.Tensor | None) -> None:
+        self.call = call
+        self.mask = HeldMask(mask)
+        self.metas: list[tuple] = []  # (shape, dtype) of each save, in order
+        self.rng: torch.Tensor | None = None  # the CPU generator's state after the last save
+        self.replay: torch.Tensor | None = None  # its state before the dropout draw
+        self.noise: tuple[int, int] | None = None  # (save index, nonzero count) of the noise
+        self.cache: list | None = None  # the rerun's saves not unpacked yet
+        # route name -> codec: the first save (labelled as the flash path's q, k, v), the others
+        self.codecs = {"attention": MathSave(self, f"{call.inputs_codec.name} feat/chan"),
+                       "recomputed": MathSave(self, "recomputed")}
+
+    def encode(self, x: torch.Tensor) -> MathPacked:
+        index = len(self.metas)
+        self.metas.append((tuple(x.shape), x.dtype))
+        # the first save holds the packed q, k, v (the call's arguments are alive now) and mask
+        nbytes = self.call.pack_inputs() + self.mask.nbytes if index == 0 else 0
+        if self.call.dropout:
+            if x.grad_fn is None and self.noise is None and index > 0:
+                # dropout's noise (q, k, v require grad: every other save has a history)
+                self.replay = self.rng
+                self.noise = (index, int(torch.count_nonzero(x)))
+                nbytes += _storage_nbytes(self.replay)
+            self.rng = torch.get_rng_state()
+        return MathPacked(self, index, nbytes)
+
+    def unpack(self, index: int) -> torch.Tensor:
+        """Save `index` as the rerun on the decoded q, k, v saved it (one rerun per backward)."""
+        if self.cache is None or self.cache[index] is None:
+            self.cache = self._rerun()
+        x, self.cache[index] = self.cache[index], None
+        return x
+
+    def _rerun(self) -> list[torch.Tensor]:
+        """The decomposition's saves on the decoded q, k, v, matched to the forward's."""
+        call = self.call
+        inputs = [call.decoded(role).detach().requires_grad_() for role in ("q", "k", "v")]
+        saved: list[torch.Tensor] = []
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            saved.append(t.detach())
+            return t
+        dropout = bool(call.dropout)
+        with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH), torch.random.fork_rng(
+                devices=[], enabled=dropout), torch.autograd.graph.saved_tensors_hooks(
+                keep, lambda t: t):
+            if dropout:
+                torch.set_rng_state(self.replay)
+            torch.nn.functional.scaled_dot_product_attention(
+                *inputs, attn_mask=self.mask.rebuild(), dropout_p=call.dropout,
+                is_causal=call.causal, scale=call.scale)
+        out = self._match(saved)
+        if self.noise is not None and int(torch.count_nonzero(out[self.noise[0]])) != (
+                self.noise[1]):
+            raise RuntimeError("compress: the recomputed dropout mask of scaled_dot_product_"
+                               "attention differs from the forward's (RNG state not replayed)")
+        return out
+
+    def _match(self, saved: list[torch.Tensor]) -> list[torch.Tensor]:
+        """For each forward save, the next rerun save of its shape and dtype (in order)."""
+        out, j = [], 0
+        for shape, dtype in self.metas:
+            while j < len(saved) and (tuple(saved[j].shape), saved[j].dtype) != (shape, dtype):
+                j += 1
+            if j == len(saved):
+                raise RuntimeError(
+                    f"compress: rerunning scaled_dot_product_attention saved other tensors than "
+                    f"its forward ({[tuple(t.shape) for t in saved]} vs "
+                    f"{[m[0] for m in self.metas]})")
+            out.append(saved[j])
+            j += 1
+        return out
+
+
+class MathSave(Codec):
+    """A codec view of `MathSaves`: encode records a save, decode recomputes it.
+
+    Args:
+        saves: the call's MathSaves; name: the route's label (the first save, which holds the
+            packed q, k, v, is labelled as the flash path's q, k, v).
+    """
+
+    whole_model = False
+
+    def __init__(self, saves: MathSaves, name: str) -> None:
+        self.saves, self.name = saves, name
+
+    def encode(self, x: torch.Tensor) -> MathPacked:
+        return self.saves.encode(x)
+
+    def decode(self, packed: MathPacked) -> torch.Tensor:
+        return packed.saves.unpack(packed.index)
