@@ -27,8 +27,10 @@ def _qkv(seed=0, shape=(2, 3, 48, 16)):
     return [torch.randn(shape, generator=gen).requires_grad_() for _ in range(3)]
 
 
-def _input_grads(model, q, k, v, codec=None, grad=None):
-    for t in (q, k, v):
+def _run(model, q, k, v, codec=None, grad=None):
+    """(gradients of q, k, v and the model's parameters (None where unused), output, meter)."""
+    params = list(model.parameters())
+    for t in (q, k, v, *params):
         t.grad = None
     if codec is None:
         out, meter = model(q, k, v), None
@@ -36,7 +38,12 @@ def _input_grads(model, q, k, v, codec=None, grad=None):
         with freqact.compress(model, codec) as meter:
             out = model(q, k, v)
     out.backward(grad)
-    return [t.grad.clone() for t in (q, k, v)], meter
+    return [None if t.grad is None else t.grad.clone() for t in (q, k, v, *params)], out, meter
+
+
+def _input_grads(model, q, k, v, codec=None, grad=None):
+    grads, _, meter = _run(model, q, k, v, codec, grad)
+    return grads, meter
 
 
 def _rel(a, b):
@@ -169,18 +176,10 @@ _MATH_CASES = {"bias": {}, "bias+shift-mask": {"windows": 2}, "dropout": {"dropo
                "shift-mask+dropout": {"windows": 2, "dropout": 0.1}}
 
 
-def _grads_with_bias(model, q, k, v, codec, grad, seed=7):
-    for t in (q, k, v, model.bias):
-        t.grad = None
-    torch.manual_seed(seed)
-    if codec is None:
-        out, meter = model(q, k, v), None
-    else:
-        with freqact.compress(model, codec) as meter:
-            out = model(q, k, v)
-    out.backward(grad)
-    return [t.grad.clone() for t in (q, k, v)] + [
-        None if model.causal else model.bias.grad.clone()], out, meter
+def _grads_with_bias(model, q, k, v, codec, grad):
+    """`_run` from one seed (the same dropout draws); the last gradient is the bias's."""
+    torch.manual_seed(7)
+    return _run(model, q, k, v, codec, grad)
 
 
 @pytest.mark.parametrize("case", list(_MATH_CASES))

@@ -27,7 +27,9 @@ tensor autograd saves is routed by that module and by what the tensor is:
   probabilities, SDPA's v/out (not causal, no mask) and nn.MultiheadAttention's projections go
   through the codec in 64-element blocks per feature column (`tile/chan`; `grid64/chan` on
   (N, H, W, C) grids; attention tensors `feat/chan`), LayerNorm/functional RMSNorm inputs per
-  token (`tile/tok`); SDPA q/k, causal or masked attention and statistics stay exact;
+  token (`tile/tok`); SDPA on the CPU flash kernel or the MATH backend: q/k/v packed, the rest
+  recomputed in backward (`attention`, `sdpa_math`); elsewhere SDPA q/k, causal or masked
+  attention and statistics stay exact;
 - anything else (`F.relu`, tensors under 4096 elements saved by ops, statistics), float8, sparse
   and nested tensors, and tensors whose packed form would not be smaller: kept as is (sparse and
   nested ones are not counted in bytes).
