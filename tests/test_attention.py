@@ -323,3 +323,29 @@ def test_two_calls_with_the_same_arguments_are_two_units(kwargs):
     out.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
     assert meter.by_route()["division feat/chan"]["count"] == (2 if kwargs.get("dropout_p") else 6)
+
+
+def test_math_path_under_autocast_reruns_on_the_decoded_float32_inputs(monkeypatch):
+    # CPU autocast casts q, k, v to bfloat16 inside SDPA, where the pack hook cannot see it
+    # (autocast reads as off inside the op): the rerun computes in float32 on q_hat, k_hat,
+    # v_hat, and the forward graph's casts round the gradients to bfloat16 on the way back
+    model = BiasAttend()
+    q, k, v = _qkv(6, (4, 3, 48, 16))
+    decoded = {}
+    real_decode = attention.SdpaInput.decode
+
+    def spy_decode(self, packed):
+        x = real_decode(self, packed)
+        decoded[self.role] = x.view(self.call.shapes[self.role]).detach().clone()
+        return x
+    monkeypatch.setattr(attention.SdpaInput, "decode", spy_decode)
+    with torch.autocast("cpu", dtype=torch.bfloat16), freqact.compress(model, "division"):
+        out = model(q, k, v)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    hats = [decoded[r].requires_grad_() for r in attention.ROLES]
+    bias = model.bias.detach().clone().requires_grad_()
+    with sdpa_kernel(SDPBackend.MATH):
+        F.scaled_dot_product_attention(*hats, attn_mask=bias).sum().backward()
+    for g, h in zip((q.grad, k.grad, v.grad, model.bias.grad), (*hats, bias)):
+        torch.testing.assert_close(g, h.grad.bfloat16().float(), rtol=1e-2, atol=1e-2)

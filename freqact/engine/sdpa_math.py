@@ -18,6 +18,11 @@ generator's state and the shape, so the state after the save before the noise (t
 the codec's own draws come before it) is kept and the rerun starts from it (`fork_rng`: the
 caller's stream is untouched). The noise's nonzero count is kept too: a rerun that drew another
 mask raises instead of returning a wrong gradient.
+
+Under CPU autocast SDPA casts q, k, v to the lower precision inside the op, where the pack hook
+sees autocast as off: the rerun computes in the math backend's float32 on the decoded q, k, v,
+without that rounding (a bfloat16 step, far below the codec's), and the forward graph's casts
+round the gradients on the way back (tested).
 """
 from __future__ import annotations
 
