@@ -349,3 +349,23 @@ def test_math_path_under_autocast_reruns_on_the_decoded_float32_inputs(monkeypat
         F.scaled_dot_product_attention(*hats, attn_mask=bias).sum().backward()
     for g, h in zip((q.grad, k.grad, v.grad, model.bias.grad), (*hats, bias)):
         torch.testing.assert_close(g, h.grad.bfloat16().float(), rtol=1e-2, atol=1e-2)
+
+
+def test_held_mask_keeps_the_values_in_the_fewest_bytes():
+    gen = torch.Generator().manual_seed(0)
+    window = torch.randn(2, 3, 16, 16, generator=gen)
+    window[0, :, 0, 1] = float("-inf")
+    cases = {"periodic": (window.repeat(4, 1, 1, 1), 2, window.numel() * 4),
+             "broadcast": (torch.randn(4, 1, 16, 16, generator=gen).expand(4, 3, 16, 16), 0,
+                           4 * 16 * 16 * 4),
+             "other": (torch.randn(8, 3, 16, 16, generator=gen), 0, 8 * 3 * 16 * 16 * 4)}
+    for mask, period, nbytes in cases.values():
+        held = sdpa_math.HeldMask(mask.requires_grad_() if mask.is_leaf else mask)
+        assert (held.period, held.nbytes) == (period, nbytes)
+        rebuilt = held.rebuild()
+        assert torch.equal(rebuilt, mask) and rebuilt.requires_grad == mask.requires_grad
+    mask = torch.randn(8, 3, 16, 16)
+    held = sdpa_math.HeldMask(mask)
+    mask.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        held.rebuild()

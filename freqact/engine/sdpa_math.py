@@ -63,6 +63,9 @@ class HeldMask:
         self.period = 0 if mask is None else _batch_period(self.mask)
         self.shape = None if mask is None else mask.shape
         self.version = None if mask is None else mask._version
+        if self.period and (self.mask[:self.period].numel() * self.mask.element_size()
+                            >= _storage_nbytes(self.mask)):
+            self.period = 0  # a broadcast mask: its storage is smaller than a dense period
         if self.period:
             self.mask = self.mask[:self.period].clone()
         self.nbytes = 0 if mask is None else _storage_nbytes(self.mask)
