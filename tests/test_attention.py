@@ -355,7 +355,10 @@ def test_held_mask_keeps_the_values_in_the_fewest_bytes():
     gen = torch.Generator().manual_seed(0)
     window = torch.randn(2, 3, 16, 16, generator=gen)
     window[0, :, 0, 1] = float("-inf")
+    # Swin-like: the first windows alike (no shift mask there), so only a whole period repeats
+    windows = torch.cat([window[:1].expand(3, 3, 16, 16), window[1:]])
     cases = {"periodic": (window.repeat(4, 1, 1, 1), 2, window.numel() * 4),
+             "alike-first": (windows.repeat(2, 1, 1, 1), 4, windows.numel() * 4),
              "broadcast": (torch.randn(4, 1, 16, 16, generator=gen).expand(4, 3, 16, 16), 0,
                            4 * 16 * 16 * 4),
              "other": (torch.randn(8, 3, 16, 16, generator=gen), 0, 8 * 3 * 16 * 16 * 4)}

@@ -43,11 +43,9 @@ def _batch_period(mask: torch.Tensor) -> int:
     b = mask.shape[0] if mask.dim() >= 3 else 1
     if b < 2 or mask.stride(0) == 0:
         return 0
-    for p in range(1, b // 2 + 1):
-        if b % p == 0 and torch.equal(mask[p:2 * p], mask[:p]) and bool(
-                (mask.unflatten(0, (b // p, p)) == mask[:p]).all()):
-            return p
-    return 0
+    # mask[i] == mask[i - p] for every i >= p: one comparison, no boolean tensor
+    return next((p for p in range(1, b // 2 + 1) if b % p == 0 and torch.equal(mask[p:], mask[:-p])),
+                0)
 
 
 class HeldMask:
