@@ -13,10 +13,12 @@ with F features; a channels-last token grid as (N, H, W, C). A layout is named
 - stats (whose residuals share one min/step): `tok` one per token row (M, T, F), `chan` one per
   feature column (M, F, T).
 
-`feat/tok` is the codec's own map rule on the (M, T, F) view. Every other layout runs two kernels
-of the DIVISION format: `lfc_encode` on the block view and `quantize_encode` on the residual in
-the stats view, so every byte is the reference's on those views (`grid64/chan` equals
+`feat/tok` is the codec's own map rule on the (M, T, F) view. Every layout is specified as two
+kernels of the DIVISION format: `lfc_encode` on the block view and `quantize_encode` on the
+residual in the stats view, so every byte is the reference's on those views (`grid64/chan` equals
 `division_encode` on (N, C, H, W); `tok64/chan` equals it on (M, F, T) with B = 64; tested).
+That torch path runs off the CPU backend; on it the fused C kernels (`kernels.cpu.token_encode` /
+`token_decode`) give the same bytes in one pass per sequence, reading x through its strides.
 Only the full `division` codec has them; other codecs get the `feat/tok` view.
 
 `token_view` computes the view of a saved tensor from its logical shape.
@@ -31,10 +33,13 @@ import torch
 from freqact import kernels
 from freqact.codecs.base import Codec
 from freqact.codecs.division import Division
+from freqact.kernels import cpu
 from freqact.kernels.format import (
+    FLT_MAX,
     DivisionPacked,
     LfcPacked,
     QuantPacked,
+    check_packed,
     geometry,
     saturating_cast,
 )
@@ -160,9 +165,66 @@ class TokenLayout(Codec):
             return w.permute(0, 2, 3, 1).flatten(1, 2)
         return w
 
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether the fused C kernels encode/decode tensors like x (the CPU backend chosen)."""
+        return x.numel() > 0 and kernels.backend_for(x, self.division._kernels) == "cpu"
+
+    def _geometry(self, shape: tuple[int, ...]
+                  ) -> tuple[cpu.TokenGeometry, int, tuple[int, ...], int]:
+        """(the fused kernels' geometry of the body, head tokens, the block view's shape and
+        block size) for a view of `shape`."""
+        blocks, head, grid = self._plan(shape)
+        b, m, f = self.division.block, shape[0], shape[-1]
+        t = math.prod(shape[1:-1]) - head
+        if blocks == "grid64":
+            (h, w), view = grid, (m, f, *grid)
+        else:
+            (h, w), view = (1, t), {"feat": (m, t, f), "tile": (m, 1, t, f),
+                                    "tok64": (m, f, t)}[blocks]
+        block = b * b if blocks == "tok64" else b
+        lfc = geometry(view, block)
+        sizes = lfc.sizes
+        sizes, counts = lfc.sizes, lfc.counts
+        # (bh, bw, bf) tokens x features per mean, and where block (i, j, k) of a sequence is
+        # stored in the block view's lfc
+        if blocks == "feat":
+            extents, strides = (1, 1, sizes[0]), (0, counts[0], 1)
+        elif blocks == "tile":
+            extents, strides = (1, *sizes), (0, counts[1], 1)
+        elif blocks == "tok64":
+            extents, strides = (1, sizes[0], 1), (0, 1, counts[0])
+        else:
+            extents, strides = (*sizes, 1), (counts[1], 1, lfc.nblocks)
+        geom = cpu.TokenGeometry((m, h, w, f), extents, tuple(lfc.lfc_shape), strides,
+                                 self.stats == "chan")
+        return geom, head, view, block
+
+    @staticmethod
+    def _panel(x: torch.Tensor, head: int, geom: cpu.TokenGeometry) -> torch.Tensor:
+        """The body of x as the float32 (M, H, W, F) panel the fused kernels read (any strides:
+        a view of a float32 x, except a (N, H, W, C) grid read as a sequence that cannot be)."""
+        body = x[:, head:] if x.dim() == 3 else x
+        return body.float().reshape(geom.panel)
+
     def encode(self, x: torch.Tensor, noise: torch.Tensor | None = None) -> LayoutPacked:
         """Args: x (M, T, F) or (N, H, W, C) floating; noise: optional uniforms shaped like the
         body's stats view ((M, T', F) for `tok`, (M, F, T') for `chan`, T' the body's tokens)."""
+        if not self._fused(x):
+            return self._encode_torch(x, noise)
+        d = self.division
+        geom, head, view, block = self._geometry(tuple(x.shape))
+        _check_noise(noise, geom.quant_shape)
+        head_packed = (kernels.division_encode(x[:, :head], d.block, d.bits,
+                                               backend=d._kernels) if head else None)
+        seed = 0 if noise is not None else int(torch.randint(2**62, (), dtype=torch.int64))
+        lfc, lo, step, codes = cpu.token_encode(self._panel(x, head, geom), geom, d.bits, noise,
+                                                seed)
+        quant = QuantPacked(lo, step, codes, torch.Size(geom.quant_shape), torch.float32, d.bits)
+        return LayoutPacked(LfcPacked(lfc, torch.Size(view), torch.float32, block), quant,
+                            head_packed, x.shape, x.dtype)
+
+    def _encode_torch(self, x: torch.Tensor, noise: torch.Tensor | None) -> LayoutPacked:
+        """The two kernels of the format on their views (the specification of the fused path)."""
         blocks, head, grid = self._plan(tuple(x.shape))
         d = self.division
         body = x.flatten(1, 2) if x.dim() == 4 else x
@@ -172,6 +234,8 @@ class TokenLayout(Codec):
         w, block = self._block_view(body, blocks, grid)
         lfc = kernels.lfc_encode(w, block)
         h = body - self._from_block_view(kernels.division_decode(lfc), blocks)
+        if not bool(h.isfinite().all()):  # the format's edge rule: a finite x's residual saturates
+            h = torch.where(h.isinf() & body.isfinite(), h.sign() * FLT_MAX, h)
         h = h.transpose(1, 2) if self.stats == "chan" else h
         quant = kernels.quantize_encode(h.contiguous(), d.bits, noise, backend=d._kernels)
         return LayoutPacked(LfcPacked(lfc.lfc, lfc.shape, torch.float32, lfc.block), quant,
@@ -179,6 +243,26 @@ class TokenLayout(Codec):
 
     def decode(self, packed: LayoutPacked) -> torch.Tensor:
         """Returns: a tensor of the encoded view's shape and dtype, contiguous."""
+        if not self._fused(packed.quant.codes):
+            return self._decode_torch(packed)
+        geom, head, view, block = self._geometry(tuple(packed.shape))
+        lfc, quant = packed.lfc, packed.quant
+        check_packed(lfc)
+        check_packed(quant)
+        if (tuple(lfc.shape) != view or lfc.block != block
+                or tuple(quant.shape) != geom.quant_shape
+                or (head > 0) != (packed.head is not None)):
+            raise ValueError(f"packed: parts of shapes {tuple(lfc.shape)}, {tuple(quant.shape)} "
+                             f"do not make a {self.layout} form of shape {tuple(packed.shape)}")
+        m, f = packed.shape[0], packed.shape[-1]
+        out = torch.empty(m, head + geom.panel[1] * geom.panel[2], f)
+        if head:
+            out[:, :head] = kernels.division_decode(packed.head, backend=self.division._kernels)
+        cpu.token_decode(lfc.lfc, quant.lo, quant.step, quant.codes, geom, quant.bits,
+                         out[:, head:])
+        return saturating_cast(out, packed.dtype).reshape(packed.shape)
+
+    def _decode_torch(self, packed: LayoutPacked) -> torch.Tensor:
         blocks, _, _ = self._plan(tuple(packed.shape))
         base = self._from_block_view(kernels.division_decode(packed.lfc), blocks)
         h = kernels.division_decode(packed.quant, backend=self.division._kernels)
@@ -201,6 +285,19 @@ class TokenLayout(Codec):
         quant = geometry((m, t, f) if self.stats == "tok" else (m, f, t), None)
         n = 2 * lfc.maps * lfc.nblocks + quant.maps * (quant.code_bytes(d.bits) + 4)
         return n + (_division_nbytes(d, (m, head, f)) if head else 0)
+
+
+def _check_noise(noise: object, shape: tuple[int, ...]) -> None:
+    """Refuse noise that is not None or float32 uniforms of the stats view's `shape` on the CPU
+    (the fused kernels read that many floats from its data)."""
+    if noise is None:
+        return
+    if (not isinstance(noise, torch.Tensor) or noise.dtype != torch.float32
+            or noise.layout != torch.strided or tuple(noise.shape) != shape
+            or noise.device.type != "cpu"):
+        got = (f"{noise.dtype} {tuple(noise.shape)} on {noise.device}"
+               if isinstance(noise, torch.Tensor) else type(noise).__name__)
+        raise ValueError(f"noise: expected float32 {shape} on the CPU, got {got}")
 
 
 def _division_nbytes(codec: Division, shape: tuple[int, ...]) -> int:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shlex
@@ -40,14 +41,16 @@ import stat
 import subprocess
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from freqact.kernels.format import Geometry, as_maps, saturating_cast
 
-__all__ = ["COMPILE_TIMEOUT_S", "available", "decode", "encode", "library_path", "load_library",
-           "loaded", "pack_codes", "pack_mask", "unavailable_reason", "unpack_codes", "unpack_mask"]
+__all__ = ["COMPILE_TIMEOUT_S", "TokenGeometry", "available", "decode", "encode", "library_path",
+           "load_library", "loaded", "pack_codes", "pack_mask", "token_decode", "token_encode",
+           "unavailable_reason", "unpack_codes", "unpack_mask"]
 
 SOURCE = Path(__file__).with_name("cpu_division.c")
 # No -ffast-math and no FMA contraction: each float operation must round as torch's does.
@@ -63,6 +66,8 @@ _SIGNATURES = {
     "freqact_unpack_codes": ([_i64, _i64, _int, _ptr, _ptr, _int], None),
     "freqact_pack_mask": ([_i64, _ptr, ctypes.c_float, _int, ctypes.c_float, _ptr, _int], None),
     "freqact_unpack_mask": ([_i64, _ptr, ctypes.c_float, ctypes.c_float, _ptr, _int], None),
+    "freqact_token_encode": ([_ptr, _int] + [_ptr] * 2 + [_u64] + [_ptr] * 4 + [_int], _int),
+    "freqact_token_decode": ([_ptr, _int] + [_ptr] * 5 + [_int], _int),
 }
 _INT64_MAX = 2**63 - 1
 
@@ -366,3 +371,104 @@ def unpack_mask(packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype, off
     lib.freqact_unpack_mask(_c_int64("numel", out.numel()), packed.data_ptr(), off, on,
                             out.data_ptr(), _threads())
     return out
+
+
+# --- token layouts (freqact.engine.layouts) ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenGeometry:
+    """A token layout's sizes for the fused kernels (`freqact_token_encode` in cpu_division.c).
+
+    Attributes:
+        panel: (M, H, W, F): M sequences of H x W tokens (H = 1 for sequences) of F features.
+        extents: (bh, bw, bf), the tokens x features one block mean covers (edge blocks less).
+        lfc_shape: the block view's lfc shape (M, ...), nblocks = prod(lfc_shape[1:]) per sequence.
+        lfc_strides: (lh, lw, lf): where block (i, j, k) of a sequence sits in its lfc.
+        chan: min/step per feature column (quant maps (M, F, H * W)), else per token row
+            (quant maps (M, H * W, F)).
+    """
+
+    panel: tuple[int, int, int, int]
+    extents: tuple[int, int, int]
+    lfc_shape: tuple[int, ...]
+    lfc_strides: tuple[int, int, int]
+    chan: bool
+
+    @property
+    def counts(self) -> tuple[int, int, int]:
+        return tuple(-(-s // b) for s, b in zip(self.panel[1:], self.extents))
+
+    @property
+    def quant_shape(self) -> tuple[int, int, int]:
+        m, h, w, f = self.panel
+        return (m, f, h * w) if self.chan else (m, h * w, f)
+
+
+def _token_args(geom: TokenGeometry, bits: int, strides=(0, 0, 0, 0), out_stride: int = 0):
+    """The C array of cpu_division.c's T_* enum, every value range-checked."""
+    quant = geom.quant_shape
+    code_bytes = -(-quant[2] * bits // 8)
+    _c_int64("x.numel()", math.prod(geom.panel))
+    _c_int64("codes", quant[0] * quant[1] * code_bytes)
+    values = (*geom.panel, *geom.extents, *geom.counts, *geom.lfc_strides, int(geom.chan),
+              code_bytes, *strides, out_stride)
+    return (ctypes.c_int64 * len(values))(*(_c_int64("token geometry", v) for v in values))
+
+
+def token_encode(x: torch.Tensor, geom: TokenGeometry, bits: int, noise: torch.Tensor | None,
+                 seed: int):
+    """Encode a token tensor in one pass per sequence (block means, residual, quant maps).
+
+    Args:
+        x: float32 CPU tensor of shape geom.panel, any strides (read in place).
+        geom: the layout's sizes.
+        bits: Q in {1, 2, 4, 8}.
+        noise: float32 uniforms of geom.quant_shape, or None to draw from `seed` (SplitMix64,
+            element g of the quant view as in `encode`).
+        seed: a 64-bit integer.
+
+    Returns:
+        (lfc, lo, step, codes): bf16 geom.lfc_shape, bf16 quant_shape[:2] (twice), uint8
+        (*quant_shape[:2], ceil(quant_shape[2] * bits / 8)).
+    """
+    lib = _lib()
+    if x.dtype != torch.float32 or tuple(x.shape) != geom.panel:
+        raise ValueError(f"x: expected float32 of shape {geom.panel}, got {x.dtype} {tuple(x.shape)}")
+    args = _token_args(geom, bits, x.stride())
+    quant = geom.quant_shape
+    lfc = torch.empty(geom.lfc_shape, dtype=torch.bfloat16)
+    lo = torch.empty(quant[:2], dtype=torch.bfloat16)
+    step = torch.empty(quant[:2], dtype=torch.bfloat16)
+    codes = torch.empty((*quant[:2], -(-quant[2] * bits // 8)), dtype=torch.uint8)
+    if noise is not None:
+        noise = noise.float().contiguous()
+    status = lib.freqact_token_encode(
+        args, bits, x.data_ptr(), None if noise is None else noise.data_ptr(), seed % 2**64,
+        lfc.data_ptr(), lo.data_ptr(), step.data_ptr(), codes.data_ptr(), _threads())
+    if status != 0:
+        raise MemoryError("token_encode: out of memory for the per-thread scratch buffers")
+    return lfc, lo, step, codes
+
+
+def token_decode(lfc: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes: torch.Tensor,
+                 geom: TokenGeometry, bits: int, out: torch.Tensor) -> None:
+    """Inverse of `token_encode` into `out`: upsample(lfc) + (q * step + lo) in float32.
+
+    Args:
+        lfc, lo, step, codes: as `token_encode` returns them (checked by the caller).
+        out: float32 (M, >= H * W, F) with contiguous (H * W, F) panels (strides (any, F, 1));
+            panel m is written at out[m, :H * W].
+    """
+    lib = _lib()
+    m, h, w, f = geom.panel
+    if (out.dtype != torch.float32 or out.dim() != 3 or out.shape[0] != m or out.shape[1] < h * w
+            or out.shape[2] != f or out.stride()[1:] != (f, 1)):
+        raise ValueError(f"out: expected float32 (M, >= {h * w}, {f}) panels, got "
+                         f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    args = _token_args(geom, bits, out_stride=out.stride(0))
+    parts = [t.contiguous() for t in (lfc, lo, step, codes)]
+    status = lib.freqact_token_decode(args, bits, *(t.data_ptr() for t in parts), out.data_ptr(),
+                                      _threads())
+    if status != 0:
+        raise MemoryError("token_decode: out of memory for the per-thread scratch buffers")

@@ -327,10 +327,9 @@ static inline uint8_t quantize(float h, float u, float lo, float divisor, float 
     return (uint8_t)(int)t; /* t >= 0: truncation is the floor */
 }
 
-/* h: the map's residual (numel floats); u: its uniforms; q: scratch of numel bytes. */
-static void quantize_map(const geometry *g, int bits, const float *h, const float *u, uint8_t *q,
+/* h: the map's residual (n floats); u: its uniforms; q: scratch of n bytes. */
+static void quantize_map(int64_t n, int bits, const float *h, const float *u, uint8_t *q,
                          uint16_t *lo_out, uint16_t *step_out, uint8_t *codes) {
-    const int64_t n = g->numel;
     /* 8 lanes of minima/maxima in GCC/Clang vector types (plain scalar code on a CPU without
      * vectors); NaNs are skipped by the comparisons and counted apart: any NaN makes the map's
      * min and max NaN, as torch.aminmax does. */
@@ -405,7 +404,7 @@ int freqact_division_encode(const int64_t *geom, int bits, const float *x, const
                     saturate_residual(xm, g.numel, residual);
                 }
                 if (!noise) splitmix_uniforms(seed, (uint64_t)(m * g.numel), g.numel, uniforms);
-                quantize_map(&g, bits, block ? residual : xm,
+                quantize_map(g.numel, bits, block ? residual : xm,
                              noise ? noise + m * g.numel : uniforms, q, lo + m, step + m,
                              codes + m * g.code_bytes);
             }
@@ -551,3 +550,242 @@ void freqact_unpack_mask(int64_t n, const uint8_t *packed, float off, float on, 
     }
 }
 
+
+/* --- token layouts (freqact/engine/layouts.py) ------------------------------------------------
+ *
+ * One sequence m of a token tensor is a panel of H x W tokens (H = 1 for sequences) of F
+ * features, read through strides (any layout, no copy in Python). Its block means cover bh x bw
+ * tokens x bf features (`feat` 1 x 1 x 8, `tile` 1 x 8 x 8, `tok64` 1 x 64 x 1, `grid64`
+ * 8 x 8 x 1; edge blocks cover what is left) and block (i, j, k) is stored at lfc[m * nblocks +
+ * i * lh + j * lw + k * lf], the order of the block view the torch path encodes. The residual
+ * x - mean (saturated as in encode) is then quantised per token row (stats 0, `tok`: maps of F
+ * elements, map index m * T + t) or per feature column (stats 1, `chan`: maps of T = H * W
+ * elements, map index m * F + f), the quant view whose element g draws uniform g (noise[g], or
+ * SplitMix64 as above). Per sequence, in cache: gather, block sums, residual, (transpose,)
+ * quantise + pack. Decode: mean + (q * step + lo) with the quant decode's edge rule, into a
+ * float32 (H * W, F) panel per sequence at out + m * out_stride. */
+
+enum { T_M, T_H, T_W, T_F, T_BH, T_BW, T_BF, T_NBH, T_NBW, T_NBF, T_LH, T_LW, T_LF, T_STATS,
+       T_CODE_BYTES, T_SM, T_SH, T_SW, T_SF, T_OUT_STRIDE, T_LEN };
+
+/* p[(h * W + w) * F + f] = x[h * sh + w * sw + f * sf] for one sequence. */
+static void gather_panel(const int64_t *g, const float *x, float *p) {
+    const int64_t H = g[T_H], W = g[T_W], F = g[T_F];
+    const int64_t sh = g[T_SH], sw = g[T_SW], sf = g[T_SF];
+    for (int64_t h = 0; h < H; h++) {
+        if (sf == 1) {
+            for (int64_t w = 0; w < W; w++) memcpy(p + (h * W + w) * F, x + h * sh + w * sw,
+                                                   (size_t)F * sizeof(float));
+        } else {
+            for (int64_t f = 0; f < F; f++)
+                for (int64_t w = 0; w < W; w++) p[(h * W + w) * F + f] = x[h * sh + w * sw + f * sf];
+        }
+    }
+}
+
+/* dst (cols, rows) = src (rows, cols) transposed, in tiles that stay in L1. */
+static void transpose(const float *src, int64_t rows, int64_t cols, float *dst) {
+    enum { TILE = 16 };
+    for (int64_t r0 = 0; r0 < rows; r0 += TILE)
+        for (int64_t c0 = 0; c0 < cols; c0 += TILE) {
+            const int64_t r1 = r0 + TILE < rows ? r0 + TILE : rows;
+            const int64_t c1 = c0 + TILE < cols ? c0 + TILE : cols;
+            for (int64_t c = c0; c < c1; c++)
+                for (int64_t r = r0; r < r1; r++) dst[c * rows + r] = src[r * cols + c];
+        }
+}
+
+/* The block rows of a panel: blocks (i, j, .) cover tokens h in [h0, h1), w in [w0, w1). */
+typedef struct {
+    int64_t i, j, h0, h1, w0, w1;
+} block_row;
+
+static block_row block_row_at(const int64_t *g, int64_t i, int64_t j) {
+    block_row r = {i, j, i * g[T_BH], (i + 1) * g[T_BH], j * g[T_BW], (j + 1) * g[T_BW]};
+    if (r.h1 > g[T_H]) r.h1 = g[T_H];
+    if (r.w1 > g[T_W]) r.w1 = g[T_W];
+    return r;
+}
+
+/* row[f] = the float value of f's block mean in block row r (lfc of one sequence). */
+static void mean_row(const int64_t *g, const uint16_t *lfc, block_row r, float *row) {
+    const int64_t F = g[T_F], bf = g[T_BF];
+    const uint16_t *base = lfc + r.i * g[T_LH] + r.j * g[T_LW];
+    for (int64_t k = 0, f = 0; k < g[T_NBF]; k++)
+        for (int64_t e = 0; e < bf && f < F; e++, f++) row[f] = bf16_to_float(base[k * g[T_LF]]);
+}
+
+/* The 2^-64-scaled sum of the edge rule for one block (k: its feature block), or sum / count
+ * when a value of the block is not finite. */
+static float scaled_panel_mean(const int64_t *g, const float *p, block_row r, int64_t k,
+                               float sum, float count) {
+    const int64_t W = g[T_W], F = g[T_F], f0 = k * g[T_BF];
+    const int64_t f1 = f0 + g[T_BF] < F ? f0 + g[T_BF] : F;
+    float s = 0.0f;
+    for (int64_t h = r.h0; h < r.h1; h++)
+        for (int64_t w = r.w0; w < r.w1; w++)
+            for (int64_t f = f0; f < f1; f++) {
+                const float v = p[(h * W + w) * F + f];
+                if (!isfinite(v)) return sum / count;
+                s += v * 0x1p-64f;
+            }
+    return s / count / 0x1p-64f;
+}
+
+/* Block means of one panel into lfc, then the panel becomes its residual (in place).
+ * acc, row: scratch of F floats. */
+static void panel_residual(const int64_t *g, float *p, uint16_t *lfc, float *acc, float *row) {
+    const int64_t W = g[T_W], F = g[T_F], bf = g[T_BF];
+    for (int64_t i = 0; i < g[T_NBH]; i++)
+        for (int64_t j = 0; j < g[T_NBW]; j++) {
+            const block_row r = block_row_at(g, i, j);
+            for (int64_t f = 0; f < F; f++) acc[f] = 0.0f;
+            for (int64_t h = r.h0; h < r.h1; h++)
+                for (int64_t w = r.w0; w < r.w1; w++) {
+                    const float *x = p + (h * W + w) * F;
+                    for (int64_t f = 0; f < F; f++) acc[f] += x[f];
+                }
+            const float tokens = (float)((r.h1 - r.h0) * (r.w1 - r.w0));
+            for (int64_t k = 0; k < g[T_NBF]; k++) {
+                const int64_t f0 = k * bf, f1 = f0 + bf < F ? f0 + bf : F;
+                float sum = 0.0f;
+                for (int64_t f = f0; f < f1; f++) sum += acc[f];
+                const float count = tokens * (float)(f1 - f0);
+                const float mean = isfinite(sum) ? sum / count
+                                                 : scaled_panel_mean(g, p, r, k, sum, count);
+                lfc[i * g[T_LH] + j * g[T_LW] + k * g[T_LF]] = bf16_nearest(mean);
+            }
+            mean_row(g, lfc, r, row);
+            for (int64_t h = r.h0; h < r.h1; h++)
+                for (int64_t w = r.w0; w < r.w1; w++) {
+                    float *x = p + (h * W + w) * F;
+                    for (int64_t f = 0; f < F; f++) acc[f] = x[f] - row[f];
+                    saturate_residual(x, F, acc);
+                    memcpy(x, acc, (size_t)F * sizeof(float));
+                }
+        }
+}
+
+/* Quantise the residual panel of sequence m: one map per token row (tok) or per feature column
+ * (chan, through the transposed copy ht). u, q: scratch of max(T, F) floats / bytes. */
+static void quantize_panel(const int64_t *g, int64_t m, int bits, const float *p, float *ht,
+                           const float *noise, uint64_t seed, float *u, uint8_t *q, uint16_t *lo,
+                           uint16_t *step, uint8_t *codes) {
+    const int64_t T = g[T_H] * g[T_W], F = g[T_F];
+    const int chan = g[T_STATS] == 1;
+    const int64_t maps = chan ? F : T, n = chan ? T : F;
+    if (chan) transpose(p, T, F, ht);
+    const float *h = chan ? ht : p;
+    for (int64_t r = 0; r < maps; r++) {
+        const int64_t map = m * maps + r;
+        const float *ur = noise ? noise + map * n : u;
+        if (!noise) splitmix_uniforms(seed, (uint64_t)(map * n), n, u);
+        quantize_map(n, bits, h + r * n, ur, q, lo + map, step + map, codes + map * g[T_CODE_BYTES]);
+    }
+}
+
+/* Encode a token tensor x (float32, strides T_SM..T_SF) described by geom (T_LEN values) into
+ * lfc (bf16, M x nblocks), lo, step (bf16, one per quant map) and codes (uint8, code bytes per
+ * quant map); noise: float32 in the quant view's order, or NULL to draw from the seed.
+ * Returns 0, or -1 if scratch memory ran out. */
+int freqact_token_encode(const int64_t *geom, int bits, const float *x, const float *noise,
+                         uint64_t seed, uint16_t *lfc, uint16_t *lo, uint16_t *step,
+                         uint8_t *codes, int threads) {
+    const int64_t M = geom[T_M], T = geom[T_H] * geom[T_W], F = geom[T_F];
+    const int64_t nblocks = geom[T_NBH] * geom[T_NBW] * geom[T_NBF], longest = T > F ? T : F;
+    const int chan = geom[T_STATS] == 1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *p = malloc((size_t)(T * F) * sizeof(float));
+        float *ht = chan ? malloc((size_t)(T * F) * sizeof(float)) : NULL;
+        float *acc = malloc((size_t)F * sizeof(float));
+        float *row = malloc((size_t)F * sizeof(float));
+        float *u = malloc((size_t)longest * sizeof(float));
+        uint8_t *q = malloc((size_t)longest);
+        if (!p || (chan && !ht) || !acc || !row || !u || !q) {
+            failed = 1;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) {
+                gather_panel(geom, x + m * geom[T_SM], p);
+                panel_residual(geom, p, lfc + m * nblocks, acc, row);
+                quantize_panel(geom, m, bits, p, ht, noise, seed, u, q, lo, step, codes);
+            }
+        }
+        free(p);
+        free(ht);
+        free(acc);
+        free(row);
+        free(u);
+        free(q);
+    }
+    return failed ? -1 : 0;
+}
+
+/* out[i] = q[i] * step + lo for n codes, with the quant decode's edge rule: a sum that
+ * overflows while q * (step / 4) + lo / 4 is finite becomes that times 4, saturated. */
+static void dequantize_row(const uint8_t *q, int64_t n, float lo_f, float step_f, float *out) {
+    int overflow = 0;
+    for (int64_t i = 0; i < n; i++) {
+        out[i] = (float)q[i] * step_f + lo_f;
+        overflow |= !isfinite(out[i]);
+    }
+    if (!overflow) return;
+    for (int64_t i = 0; i < n; i++) {
+        const float quarter = (float)q[i] * (step_f * 0.25f) + lo_f * 0.25f;
+        if (isfinite(out[i]) || !isfinite(quarter)) continue;
+        const float v = quarter * 4.0f;
+        out[i] = isfinite(v) ? v : (v > 0 ? FLT_MAX : -FLT_MAX);
+    }
+}
+
+/* Inverse of freqact_token_encode into float32 panels (H * W, F), one per sequence at
+ * out + m * T_OUT_STRIDE: upsample(lfc) + (q * step + lo). Returns 0, or -1 without memory. */
+int freqact_token_decode(const int64_t *geom, int bits, const uint16_t *lfc, const uint16_t *lo,
+                         const uint16_t *step, const uint8_t *codes, float *out, int threads) {
+    const int64_t M = geom[T_M], W = geom[T_W], T = geom[T_H] * W, F = geom[T_F];
+    const int64_t nblocks = geom[T_NBH] * geom[T_NBW] * geom[T_NBF], longest = T > F ? T : F;
+    const int chan = geom[T_STATS] == 1;
+    const int64_t maps = chan ? F : T, n = chan ? T : F;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *h = malloc((size_t)(T * F) * sizeof(float));
+        float *ht = chan ? malloc((size_t)(T * F) * sizeof(float)) : NULL;
+        float *row = malloc((size_t)F * sizeof(float));
+        uint8_t *q = malloc((size_t)longest);
+        if (!h || (chan && !ht) || !row || !q) {
+            failed = 1;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) {
+                float *hq = chan ? ht : h;
+                for (int64_t r = 0; r < maps; r++) {
+                    const int64_t map = m * maps + r;
+                    unpack_row(codes + map * geom[T_CODE_BYTES], n, q, bits);
+                    dequantize_row(q, n, bf16_to_float(lo[map]), bf16_to_float(step[map]),
+                                   hq + r * n);
+                }
+                if (chan) transpose(ht, F, T, h);
+                float *o = out + m * geom[T_OUT_STRIDE];
+                for (int64_t i = 0; i < geom[T_NBH]; i++)
+                    for (int64_t j = 0; j < geom[T_NBW]; j++) {
+                        const block_row r = block_row_at(geom, i, j);
+                        mean_row(geom, lfc + m * nblocks, r, row);
+                        for (int64_t hh = r.h0; hh < r.h1; hh++)
+                            for (int64_t w = r.w0; w < r.w1; w++) {
+                                const int64_t t = hh * W + w;
+                                for (int64_t f = 0; f < F; f++)
+                                    o[t * F + f] = row[f] + h[t * F + f];
+                            }
+                    }
+            }
+        }
+        free(h);
+        free(ht);
+        free(row);
+        free(q);
+    }
+    return failed ? -1 : 0;
+}

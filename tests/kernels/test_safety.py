@@ -86,6 +86,18 @@ _ASAN_DRIVER = textwrap.dedent("""
         D.idct_corner(corner, h, w)
         D.band_energy(x, max(1, h // 3), max(1, w // 3))
         D.highpass(x, max(1, h // 3), max(1, w // 3))
+    from freqact import codecs
+    from freqact.engine.layouts import BLOCKS, STATS, TokenLayout
+    for shape in [(1, 1, 1), (2, 7, 5), (2, 37, 20), (2, 6, 5, 16), (1, 3, 20, 8), (2, 130, 13)]:
+        x = torch.randn(shape).transpose(0, -1).contiguous().transpose(0, -1)
+        for blocks in BLOCKS:
+            for stats in STATS:
+                for bits in (1, 2, 8):
+                    c = TokenLayout(codecs.get("division", bits=bits, backend="cpu"), blocks,
+                                    stats)
+                    c.decode(c.encode(x))
+                noise = torch.rand(c._geometry(shape)[0].quant_shape)
+                c.decode(c.encode(x, noise))
     print("asan-ok")
 """)
 

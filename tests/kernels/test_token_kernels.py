@@ -1,0 +1,164 @@
+"""The fused token-layout kernels (`freqact_token_encode`/`_decode` in cpu_division.c, called by
+`engine.layouts.TokenLayout` on the CPU) against the torch two-kernel path that specifies them:
+byte for byte on dyadic data, every layout, odd shapes and tails, any memory layout, edge values;
+their own SplitMix64 noise is the quant kernel's stream on the stats view."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import freqact.kernels as K
+from freqact import codecs
+from freqact.engine.layouts import BLOCKS, STATS, TokenLayout
+from freqact.kernels import cpu
+from tests.kernels.helpers import bytes_of, dyadic
+
+pytestmark = pytest.mark.skipif(not cpu.available(),
+                                reason=f"C kernels unavailable: {cpu.unavailable_reason()}")
+
+LAYOUTS = [(b, s) for b in BLOCKS for s in STATS]
+# Tails everywhere: T and F not multiples of 8 or 64, fewer than 8 tokens or features, a class
+# token before a square grid (1 + 6 * 6), (N, H, W, C) grids with edge blocks and H, W < 8.
+SHAPES = [(3, 65, 24), (2, 130, 13), (2, 7, 5), (1, 1, 1), (2, 37, 20), (2, 6, 5, 16),
+          (2, 17, 13, 9), (1, 3, 20, 8)]
+
+
+def _pair(blocks, stats, bits=2):
+    """(torch path, fused path) codecs of one layout."""
+    return tuple(TokenLayout(codecs.get("division", block=8, bits=bits, backend=b), blocks, stats)
+                 for b in ("torch", "cpu"))
+
+
+def _assert_same(a, b):
+    assert a.shape == b.shape and a.dtype == b.dtype and a.nbytes == b.nbytes
+    assert a.lfc.shape == b.lfc.shape and a.lfc.block == b.lfc.block
+    assert torch.equal(bytes_of(a.lfc.lfc), bytes_of(b.lfc.lfc))
+    assert a.quant.shape == b.quant.shape
+    for part in ("lo", "step", "codes"):
+        assert torch.equal(bytes_of(getattr(a.quant, part)), bytes_of(getattr(b.quant, part))), part
+    assert (a.head is None) == (b.head is None)
+    if a.head is not None:  # the class token: its own `division` map, drawing its own noise
+        for part in ("lfc", "lo", "step"):
+            assert torch.equal(bytes_of(getattr(a.head, part)), bytes_of(getattr(b.head, part)))
+
+
+def _layouts_of(x):
+    """x in its memory layout and three others with the same values: transposed storage (ViT's
+    `flatten(2).transpose(1, 2)`), every dim reversed, and a strided slice."""
+    wide = torch.stack([x, -x], dim=-1)[..., 0]
+    return [x, x.transpose(1, -1).contiguous().transpose(1, -1),
+            x.permute(*reversed(range(x.dim()))).contiguous().permute(*reversed(range(x.dim()))),
+            wide]
+
+
+def _noise(fused, shape, gen):
+    geom = fused._geometry(shape)[0]
+    return torch.rand(geom.quant_shape, generator=gen)
+
+
+@pytest.mark.parametrize(("blocks", "stats"), LAYOUTS)
+def test_fused_bytes_and_decode_equal_the_torch_path(blocks, stats):
+    gen = torch.Generator().manual_seed(0)
+    for shape in SHAPES:
+        ref, fused = _pair(blocks, stats)
+        x = dyadic(shape, torch.float32, gen)
+        noise = _noise(fused, shape, gen)
+        want = ref.encode(x, noise)
+        for view in _layouts_of(x):
+            got = fused.encode(view, noise)
+            _assert_same(got, want)
+            for packed in (got, want):
+                y = fused.decode(packed)
+                assert torch.equal(y, ref.decode(packed))
+                assert y.is_contiguous() and y.shape == x.shape and y.dtype == x.dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("bits", [1, 4, 8])
+def test_other_dtypes_and_bits_equal_the_torch_path(dtype, bits):
+    gen = torch.Generator().manual_seed(1)
+    for blocks, stats in LAYOUTS:
+        ref, fused = _pair(blocks, stats, bits)
+        x = dyadic((2, 37, 12), dtype, gen)
+        noise = _noise(fused, tuple(x.shape), gen)
+        got, want = fused.encode(x, noise), ref.encode(x, noise)
+        _assert_same(got, want)
+        y = fused.decode(got)
+        assert y.dtype == dtype and torch.equal(y, ref.decode(got))
+
+
+def test_edge_values_equal_the_torch_path():
+    """Block sums that overflow, residuals and spans past FLT_MAX, decoded sums redone at a
+    quarter scale: the same bytes; NaN/Inf: the same NaNs where the format says (their code
+    bytes and NaN sign bits are unspecified), finite elsewhere."""
+    gen = torch.Generator().manual_seed(2)
+    for blocks, stats in LAYOUTS:
+        ref, fused = _pair(blocks, stats)
+        x = dyadic((2, 65, 24), torch.float32, gen) * 2.0**125  # up to ~1e38: sums overflow
+        noise = _noise(fused, tuple(x.shape), gen)
+        got, want = fused.encode(x, noise), ref.encode(x, noise)
+        _assert_same(got, want)
+        y = fused.decode(got)
+        assert torch.equal(y, ref.decode(got)) and y.isfinite().all()  # finite in, finite out
+        x = x * 2.0**-125  # non-finite values where sums do not overflow (else the order of the
+        x[0, 5, 3], x[1, 40, 17], x[1, 2, 9] = float("nan"), float("inf"), -float("inf")  # sum
+        got, want = fused.encode(x, noise), ref.encode(x, noise)
+        for a, b in ((got.lfc.lfc, want.lfc.lfc), (got.quant.lo, want.quant.lo),
+                     (got.quant.step, want.quant.step), (fused.decode(got), ref.decode(got))):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)  # decides inf/NaN)
+        assert not fused.decode(got)[0, 5, 3].isfinite()
+
+
+@pytest.mark.parametrize(("blocks", "stats"), [("tile", "chan"), ("tile", "tok"),
+                                               ("grid64", "chan")])
+def test_own_noise_is_the_quant_kernels_stream_and_thread_independent(blocks, stats):
+    """Without noise the fused kernel draws what `quantize_encode` (C) would draw for the
+    residual in the stats view from the same seed of torch's generator."""
+    x = dyadic((3, 1 + 8 * 8, 40), torch.float32, torch.Generator().manual_seed(3))
+    ref, fused = _pair(blocks, stats)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            torch.manual_seed(7)
+            results.append(fused.encode(x))
+    finally:
+        torch.set_num_threads(threads)
+    _assert_same(results[0], results[1])
+    used, head, _ = ref._plan(tuple(x.shape))
+    body = x[:, head:]
+    h = body - ref._from_block_view(K.division_decode(results[0].lfc), used).reshape(body.shape)
+    h = h.transpose(1, 2).contiguous() if stats == "chan" else h
+    torch.manual_seed(7)
+    if head:
+        K.division_encode(x[:, :head], 8, 2, backend="cpu")  # the class token draws first
+    quant = K.quantize_encode(h, 2, backend="cpu")
+    for part in ("lo", "step", "codes"):
+        assert torch.equal(bytes_of(getattr(results[0].quant, part)), bytes_of(getattr(quant, part)))
+
+
+def test_bad_noise_and_mismatched_parts_are_refused():
+    _, fused = _pair("tile", "chan")
+    x = torch.randn(2, 20, 16)
+    with pytest.raises(ValueError, match="^noise: expected float32 \\(2, 16, 20\\)"):
+        fused.encode(x, torch.rand(2, 20, 16))
+    with pytest.raises(ValueError, match="^noise"):
+        fused.encode(x, torch.rand(2, 16, 20).double())
+    packed = fused.encode(x)
+    other = fused.encode(torch.randn(2, 24, 16))
+    with pytest.raises(ValueError, match="^packed"):
+        fused.decode(dataclasses.replace(packed, quant=other.quant))
+    with pytest.raises(ValueError, match="^packed"):
+        fused.decode(dataclasses.replace(packed, shape=torch.Size([2, 24, 16])))
+    with pytest.raises(ValueError, match="^packed.codes"):
+        fused.decode(dataclasses.replace(packed, quant=dataclasses.replace(
+            packed.quant, codes=packed.quant.codes[:, :, :1])))
+    geom = fused._geometry((2, 20, 16))[0]
+    with pytest.raises(ValueError, match="^x: expected float32"):
+        cpu.token_encode(x.double(), geom, 2, None, 0)
+    with pytest.raises(ValueError, match="^out: expected float32"):
+        cpu.token_decode(packed.lfc.lfc, packed.quant.lo, packed.quant.step, packed.quant.codes,
+                         geom, 2, torch.empty(2, 20, 16).transpose(1, 2))
