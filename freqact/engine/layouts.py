@@ -25,6 +25,7 @@ Only the full `division` codec has them; other codecs get the `feat/tok` view.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -39,7 +40,6 @@ from freqact.kernels.format import (
     DivisionPacked,
     LfcPacked,
     QuantPacked,
-    check_packed,
     geometry,
     saturating_cast,
 )
@@ -91,6 +91,17 @@ def _grid_of(shape: tuple[int, ...]) -> tuple[int, int, int] | None:
     return None
 
 
+def _plan(blocks: str, shape: tuple[int, ...]) -> tuple[str, int, tuple[int, int] | None]:
+    """(blocks used, head tokens, grid (H, W) or None) for `blocks` on a view of `shape`:
+    `grid64` without a grid falls back to `tile`."""
+    if blocks != "grid64":
+        return blocks, 0, None
+    found = _grid_of(shape)
+    if found is None:
+        return "tile", 0, None
+    return "grid64", found[0], found[1:]
+
+
 @dataclass(frozen=True)
 class LayoutPacked:
     """A token tensor packed in a `TokenLayout`.
@@ -137,12 +148,7 @@ class TokenLayout(Codec):
 
     def _plan(self, shape: tuple[int, ...]) -> tuple[str, int, tuple[int, int] | None]:
         """(blocks used, head tokens, grid (H, W) or None) for a view of `shape`."""
-        if self.blocks != "grid64":
-            return self.blocks, 0, None
-        found = _grid_of(shape)
-        if found is None:
-            return "tile", 0, None
-        return "grid64", found[0], found[1:]
+        return _plan(self.blocks, shape)
 
     def _block_view(self, x: torch.Tensor, blocks: str, grid) -> tuple[torch.Tensor, int]:
         """x (M, T, F) as the maps its blocks run on, and the block size there."""
@@ -173,31 +179,7 @@ class TokenLayout(Codec):
                   ) -> tuple[cpu.TokenGeometry, int, tuple[int, ...], int]:
         """(the fused kernels' geometry of the body, head tokens, the block view's shape and
         block size) for a view of `shape`."""
-        blocks, head, grid = self._plan(shape)
-        b, m, f = self.division.block, shape[0], shape[-1]
-        t = math.prod(shape[1:-1]) - head
-        if blocks == "grid64":
-            (h, w), view = grid, (m, f, *grid)
-        else:
-            (h, w), view = (1, t), {"feat": (m, t, f), "tile": (m, 1, t, f),
-                                    "tok64": (m, f, t)}[blocks]
-        block = b * b if blocks == "tok64" else b
-        lfc = geometry(view, block)
-        sizes = lfc.sizes
-        sizes, counts = lfc.sizes, lfc.counts
-        # (bh, bw, bf) tokens x features per mean, and where block (i, j, k) of a sequence is
-        # stored in the block view's lfc
-        if blocks == "feat":
-            extents, strides = (1, 1, sizes[0]), (0, counts[0], 1)
-        elif blocks == "tile":
-            extents, strides = (1, *sizes), (0, counts[1], 1)
-        elif blocks == "tok64":
-            extents, strides = (1, sizes[0], 1), (0, 1, counts[0])
-        else:
-            extents, strides = (*sizes, 1), (counts[1], 1, lfc.nblocks)
-        geom = cpu.TokenGeometry((m, h, w, f), extents, tuple(lfc.lfc_shape), strides,
-                                 self.stats == "chan")
-        return geom, head, view, block
+        return _fused_geometry(self.blocks, self.stats, self.division.block, tuple(shape))
 
     @staticmethod
     def _panel(x: torch.Tensor, head: int, geom: cpu.TokenGeometry) -> torch.Tensor:
@@ -246,10 +228,9 @@ class TokenLayout(Codec):
         if not self._fused(packed.quant.codes):
             return self._decode_torch(packed)
         geom, head, view, block = self._geometry(tuple(packed.shape))
-        lfc, quant = packed.lfc, packed.quant
-        check_packed(lfc)
-        check_packed(quant)
-        if (tuple(lfc.shape) != view or lfc.block != block
+        lfc, quant = packed.lfc, packed.quant  # their tensors: checked by cpu.token_decode
+        if (not isinstance(lfc, LfcPacked) or not isinstance(quant, QuantPacked)
+                or tuple(lfc.shape) != view or lfc.block != block
                 or tuple(quant.shape) != geom.quant_shape
                 or (head > 0) != (packed.head is not None)):
             raise ValueError(f"packed: parts of shapes {tuple(lfc.shape)}, {tuple(quant.shape)} "
@@ -275,16 +256,41 @@ class TokenLayout(Codec):
 
     def nbytes_for(self, shape: tuple[int, ...]) -> int:
         """Bytes of the packed form of a view of `shape`, before encoding."""
-        blocks, head, grid = self._plan(shape)
+        geom, head, _, _ = self._geometry(tuple(shape))
         d = self.division
-        m, f = shape[0], shape[-1]
-        t = math.prod(shape[1:-1]) - head
-        block_shape = {"feat": (m, t, f), "tile": (m, 1, t, f), "tok64": (m, f, t),
-                       "grid64": (m, f, *(grid or ()))}[blocks]
-        lfc = geometry(block_shape, d.block * d.block if blocks == "tok64" else d.block)
-        quant = geometry((m, t, f) if self.stats == "tok" else (m, f, t), None)
-        n = 2 * lfc.maps * lfc.nblocks + quant.maps * (quant.code_bytes(d.bits) + 4)
-        return n + (_division_nbytes(d, (m, head, f)) if head else 0)
+        maps = math.prod(geom.quant_shape[:2])
+        n = 2 * math.prod(geom.lfc_shape) + maps * (geom.codes_shape(d.bits)[2] + 4)
+        return n + (_division_nbytes(d, (shape[0], head, shape[-1])) if head else 0)
+
+
+@functools.lru_cache(maxsize=1024)  # a few shapes per model, asked at every pack and unpack
+def _fused_geometry(blocks: str, stats: str, b: int, shape: tuple[int, ...]
+                    ) -> tuple[cpu.TokenGeometry, int, tuple[int, ...], int]:
+    """`TokenLayout._geometry` for a layout `blocks/stats` with block size b."""
+    blocks, head, grid = _plan(blocks, shape)
+    m, f = shape[0], shape[-1]
+    t = math.prod(shape[1:-1]) - head
+    if blocks == "grid64":
+        (h, w), view = grid, (m, f, *grid)
+    else:
+        (h, w), view = (1, t), {"feat": (m, t, f), "tile": (m, 1, t, f),
+                                "tok64": (m, f, t)}[blocks]
+    block = b * b if blocks == "tok64" else b
+    lfc = geometry(view, block)
+    sizes, counts = lfc.sizes, lfc.counts
+    # (bh, bw, bf) tokens x features per mean, and where block (i, j, k) of a sequence is
+    # stored in the block view's lfc
+    if blocks == "feat":
+        extents, strides = (1, 1, sizes[0]), (0, counts[0], 1)
+    elif blocks == "tile":
+        extents, strides = (1, *sizes), (0, counts[1], 1)
+    elif blocks == "tok64":
+        extents, strides = (1, sizes[0], 1), (0, 1, counts[0])
+    else:
+        extents, strides = (*sizes, 1), (counts[1], 1, lfc.nblocks)
+    geom = cpu.TokenGeometry((m, h, w, f), extents, tuple(lfc.lfc_shape), strides,
+                             stats == "chan")
+    return geom, head, view, block
 
 
 def _check_noise(noise: object, shape: tuple[int, ...]) -> None:

@@ -404,16 +404,26 @@ class TokenGeometry:
         m, h, w, f = self.panel
         return (m, f, h * w) if self.chan else (m, h * w, f)
 
+    def codes_shape(self, bits: int) -> tuple[int, int, int]:
+        maps, count = self.quant_shape[:2], self.quant_shape[2]
+        return (*maps, -(-count * bits // 8))
 
+
+@functools.lru_cache(maxsize=1024)  # a few shapes per model; every value checked once
 def _token_args(geom: TokenGeometry, bits: int, strides=(0, 0, 0, 0), out_stride: int = 0):
     """The C array of cpu_division.c's T_* enum, every value range-checked."""
-    quant = geom.quant_shape
-    code_bytes = -(-quant[2] * bits // 8)
+    codes = geom.codes_shape(bits)
     _c_int64("x.numel()", math.prod(geom.panel))
-    _c_int64("codes", quant[0] * quant[1] * code_bytes)
+    _c_int64("codes", math.prod(codes))
     values = (*geom.panel, *geom.extents, *geom.counts, *geom.lfc_strides, int(geom.chan),
-              code_bytes, *strides, out_stride)
+              codes[2], *strides, out_stride)
     return (ctypes.c_int64 * len(values))(*(_c_int64("token geometry", v) for v in values))
+
+
+def _check_part(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if t.dtype != dtype or tuple(t.shape) != shape or t.device.type != "cpu":
+        raise ValueError(f"packed.{name}: expected {dtype} {shape} on the CPU, got {t.dtype} "
+                         f"{tuple(t.shape)} on {t.device}")
 
 
 def token_encode(x: torch.Tensor, geom: TokenGeometry, bits: int, noise: torch.Tensor | None,
@@ -436,11 +446,11 @@ def token_encode(x: torch.Tensor, geom: TokenGeometry, bits: int, noise: torch.T
     if x.dtype != torch.float32 or tuple(x.shape) != geom.panel:
         raise ValueError(f"x: expected float32 of shape {geom.panel}, got {x.dtype} {tuple(x.shape)}")
     args = _token_args(geom, bits, x.stride())
-    quant = geom.quant_shape
+    maps = geom.quant_shape[:2]
     lfc = torch.empty(geom.lfc_shape, dtype=torch.bfloat16)
-    lo = torch.empty(quant[:2], dtype=torch.bfloat16)
-    step = torch.empty(quant[:2], dtype=torch.bfloat16)
-    codes = torch.empty((*quant[:2], -(-quant[2] * bits // 8)), dtype=torch.uint8)
+    lo = torch.empty(maps, dtype=torch.bfloat16)
+    step = torch.empty(maps, dtype=torch.bfloat16)
+    codes = torch.empty(geom.codes_shape(bits), dtype=torch.uint8)
     if noise is not None:
         noise = noise.float().contiguous()
     status = lib.freqact_token_encode(
@@ -456,11 +466,21 @@ def token_decode(lfc: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes:
     """Inverse of `token_encode` into `out`: upsample(lfc) + (q * step + lo) in float32.
 
     Args:
-        lfc, lo, step, codes: as `token_encode` returns them (checked by the caller).
+        lfc, lo, step, codes: as `token_encode` returns them (dtypes and shapes checked here:
+            the C code reads that many bytes).
         out: float32 (M, >= H * W, F) with contiguous (H * W, F) panels (strides (any, F, 1));
             panel m is written at out[m, :H * W].
+
+    Raises:
+        ValueError: naming the part whose dtype, shape or device disagrees with geom.
     """
     lib = _lib()
+    maps = geom.quant_shape[:2]
+    for name, t, dtype, shape in (("lfc", lfc, torch.bfloat16, geom.lfc_shape),
+                                  ("lo", lo, torch.bfloat16, maps),
+                                  ("step", step, torch.bfloat16, maps),
+                                  ("codes", codes, torch.uint8, geom.codes_shape(bits))):
+        _check_part(name, t, dtype, shape)
     m, h, w, f = geom.panel
     if (out.dtype != torch.float32 or out.dim() != 3 or out.shape[0] != m or out.shape[1] < h * w
             or out.shape[2] != f or out.stride()[1:] != (f, 1)):

@@ -583,16 +583,37 @@ static void gather_panel(const int64_t *g, const float *x, float *p) {
     }
 }
 
-/* dst (cols, rows) = src (rows, cols) transposed, in tiles that stay in L1. */
-static void transpose(const float *src, int64_t rows, int64_t cols, float *dst) {
-    enum { TILE = 16 };
-    for (int64_t r0 = 0; r0 < rows; r0 += TILE)
-        for (int64_t c0 = 0; c0 < cols; c0 += TILE) {
-            const int64_t r1 = r0 + TILE < rows ? r0 + TILE : rows;
-            const int64_t c1 = c0 + TILE < cols ? c0 + TILE : cols;
-            for (int64_t c = c0; c < c1; c++)
-                for (int64_t r = r0; r < r1; r++) dst[c * rows + r] = src[r * cols + c];
+/* The 8 x 8 floats at src (row stride ss) transposed to dst (row stride ds), in registers:
+ * interleave pairs of rows, then pairs of pairs, then the two halves. */
+static inline void transpose8(const float *src, int64_t ss, float *dst, int64_t ds) {
+    f32x8 r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) memcpy(&r[i], src + i * ss, sizeof r[i]);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int k = 0; k < 2; k++) {
+            u[i + 2 * k] = __builtin_shufflevector(t[i + k], t[i + k + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+            u[i + 2 * k + 1] = __builtin_shufflevector(t[i + k], t[i + k + 2], 2, 3, 10, 11, 6, 7,
+                                                       14, 15);
         }
+    for (int k = 0; k < 4; k++) {
+        const f32x8 lo = __builtin_shufflevector(u[k], u[k + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        const f32x8 hi = __builtin_shufflevector(u[k], u[k + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+        memcpy(dst + k * ds, &lo, sizeof lo);
+        memcpy(dst + (k + 4) * ds, &hi, sizeof hi);
+    }
+}
+
+/* dst (cols, rows) = src (rows, cols) transposed: 8 x 8 tiles in registers, the edges by
+ * element. */
+static void transpose(const float *src, int64_t rows, int64_t cols, float *dst) {
+    const int64_t rows8 = rows - rows % 8, cols8 = cols - cols % 8;
+    for (int64_t r = 0; r < rows8; r += 8)
+        for (int64_t c = 0; c < cols8; c += 8) transpose8(src + r * cols + c, cols, dst + c * rows + r, rows);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = r < rows8 ? cols8 : 0; c < cols; c++) dst[c * rows + r] = src[r * cols + c];
 }
 
 /* The block rows of a panel: blocks (i, j, .) cover tokens h in [h0, h1), w in [w0, w1). */
@@ -611,8 +632,20 @@ static block_row block_row_at(const int64_t *g, int64_t i, int64_t j) {
 static void mean_row(const int64_t *g, const uint16_t *lfc, block_row r, float *row) {
     const int64_t F = g[T_F], bf = g[T_BF];
     const uint16_t *base = lfc + r.i * g[T_LH] + r.j * g[T_LW];
-    for (int64_t k = 0, f = 0; k < g[T_NBF]; k++)
-        for (int64_t e = 0; e < bf && f < F; e++, f++) row[f] = bf16_to_float(base[k * g[T_LF]]);
+    if (bf == 1) {
+        for (int64_t f = 0; f < F; f++) row[f] = bf16_to_float(base[f * g[T_LF]]);
+        return;
+    }
+    for (int64_t k = 0; k < g[T_NBF]; k++) {
+        const float v = bf16_to_float(base[k * g[T_LF]]);
+        const int64_t f0 = k * bf, n = f0 + bf <= F ? bf : F - f0;
+        if (n == 8) {
+            const f32x8 splat = {v, v, v, v, v, v, v, v};
+            memcpy(row + f0, &splat, sizeof splat);
+        } else {
+            for (int64_t e = 0; e < n; e++) row[f0 + e] = v;
+        }
+    }
 }
 
 /* The 2^-64-scaled sum of the edge rule for one block (k: its feature block), or sum / count
@@ -632,37 +665,48 @@ static float scaled_panel_mean(const int64_t *g, const float *p, block_row r, in
     return s / count / 0x1p-64f;
 }
 
-/* Block means of one panel into lfc, then the panel becomes its residual (in place).
- * acc, row: scratch of F floats. */
-static void panel_residual(const int64_t *g, float *p, uint16_t *lfc, float *acc, float *row) {
+/* out[i] = x[i] - m[i], saturated at +-FLT_MAX where that overflows for a finite x (the edge
+ * rule; written as selects so that it vectorises). out may be x. */
+static void residual_row(const float *x, const float *m, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        const float r = x[i] - m[i];
+        const int fix = (fabsf(r) == INFINITY) & (fabsf(x[i]) < INFINITY);
+        out[i] = fix ? copysignf(FLT_MAX, r) : r;
+    }
+}
+
+/* Block means of the panel src ((H * W, F), contiguous) into lfc and its residual into p (which
+ * may be src). acc, row: scratch of F floats. */
+static void panel_residual(const int64_t *g, const float *src, float *p, uint16_t *lfc,
+                           float *acc, float *row) {
     const int64_t W = g[T_W], F = g[T_F], bf = g[T_BF];
     for (int64_t i = 0; i < g[T_NBH]; i++)
         for (int64_t j = 0; j < g[T_NBW]; j++) {
             const block_row r = block_row_at(g, i, j);
-            for (int64_t f = 0; f < F; f++) acc[f] = 0.0f;
-            for (int64_t h = r.h0; h < r.h1; h++)
-                for (int64_t w = r.w0; w < r.w1; w++) {
-                    const float *x = p + (h * W + w) * F;
-                    for (int64_t f = 0; f < F; f++) acc[f] += x[f];
-                }
             const float tokens = (float)((r.h1 - r.h0) * (r.w1 - r.w0));
+            /* acc[f] = the block row's sum over its tokens (the token itself for one token) */
+            const float *sums = tokens == 1.0f ? src + (r.h0 * W + r.w0) * F : acc;
+            if (sums == acc) {
+                for (int64_t f = 0; f < F; f++) acc[f] = 0.0f;
+                for (int64_t h = r.h0; h < r.h1; h++)
+                    for (int64_t w = r.w0; w < r.w1; w++) {
+                        const float *x = src + (h * W + w) * F;
+                        for (int64_t f = 0; f < F; f++) acc[f] += x[f];
+                    }
+            }
             for (int64_t k = 0; k < g[T_NBF]; k++) {
                 const int64_t f0 = k * bf, f1 = f0 + bf < F ? f0 + bf : F;
                 float sum = 0.0f;
-                for (int64_t f = f0; f < f1; f++) sum += acc[f];
+                for (int64_t f = f0; f < f1; f++) sum += sums[f];
                 const float count = tokens * (float)(f1 - f0);
                 const float mean = isfinite(sum) ? sum / count
-                                                 : scaled_panel_mean(g, p, r, k, sum, count);
+                                                 : scaled_panel_mean(g, src, r, k, sum, count);
                 lfc[i * g[T_LH] + j * g[T_LW] + k * g[T_LF]] = bf16_nearest(mean);
             }
             mean_row(g, lfc, r, row);
             for (int64_t h = r.h0; h < r.h1; h++)
-                for (int64_t w = r.w0; w < r.w1; w++) {
-                    float *x = p + (h * W + w) * F;
-                    for (int64_t f = 0; f < F; f++) acc[f] = x[f] - row[f];
-                    saturate_residual(x, F, acc);
-                    memcpy(x, acc, (size_t)F * sizeof(float));
-                }
+                for (int64_t w = r.w0; w < r.w1; w++)
+                    residual_row(src + (h * W + w) * F, row, F, p + (h * W + w) * F);
         }
 }
 
@@ -694,6 +738,8 @@ int freqact_token_encode(const int64_t *geom, int bits, const float *x, const fl
     const int64_t M = geom[T_M], T = geom[T_H] * geom[T_W], F = geom[T_F];
     const int64_t nblocks = geom[T_NBH] * geom[T_NBW] * geom[T_NBF], longest = T > F ? T : F;
     const int chan = geom[T_STATS] == 1;
+    const int dense = geom[T_SF] == 1 && (T == 1 || geom[T_SW] == F)
+                      && (geom[T_H] == 1 || geom[T_SH] == geom[T_W] * F);
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
@@ -708,8 +754,10 @@ int freqact_token_encode(const int64_t *geom, int bits, const float *x, const fl
         } else {
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++) {
-                gather_panel(geom, x + m * geom[T_SM], p);
-                panel_residual(geom, p, lfc + m * nblocks, acc, row);
+                const float *src = p;  /* a contiguous panel is read in place */
+                if (dense) src = x + m * geom[T_SM];
+                else gather_panel(geom, x + m * geom[T_SM], p);
+                panel_residual(geom, src, p, lfc + m * nblocks, acc, row);
                 quantize_panel(geom, m, bits, p, ht, noise, seed, u, q, lo, step, codes);
             }
         }
