@@ -752,7 +752,7 @@ int freqact_token_encode(const int64_t *geom, int bits, const float *x, const fl
         if (!p || (chan && !ht) || !acc || !row || !u || !q) {
             failed = 1;
         } else {
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)  /* a descheduled thread holds up no fixed share */
             for (int64_t m = 0; m < M; m++) {
                 const float *src = p;  /* a contiguous panel is read in place */
                 if (dense) src = x + m * geom[T_SM];
@@ -806,7 +806,7 @@ int freqact_token_decode(const int64_t *geom, int bits, const uint16_t *lfc, con
         if (!h || (chan && !ht) || !row || !q) {
             failed = 1;
         } else {
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)  /* a descheduled thread holds up no fixed share */
             for (int64_t m = 0; m < M; m++) {
                 float *hq = chan ? ht : h;
                 for (int64_t r = 0; r < maps; r++) {
