@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from freqact.codecs.base import Codec, Exact, ExactPacked
-from freqact.engine import graph_meter
+from freqact.engine import graph_meter, graph_rules
 
 __all__ = ["GRAPH_CODECS", "THRESHOLD", "GraphCodec", "graph_hooks", "installed", "is_compiled",
            "spec_for"]
@@ -110,16 +110,12 @@ class GraphCodec:
         return cls("division", codec.block, codec.bits, codec._kernels or "auto", threshold)
 
     def compresses(self, t: torch.Tensor) -> bool:
-        """The graph-level rule: which saved tensors go through the codec."""
+        """The rule where a graph breaks (the hooks run eagerly on real tensors, without the
+        graph's context): floating tensors of rank 3 to 5 go through the eager codec as saved.
+        Inside graphs `graph_rules.route` decides."""
         return (self.name == "division" and t.dtype in _CODEC_DTYPES
                 and t.layout == torch.strided and 3 <= t.dim() <= 5
                 and t.numel() >= self.threshold)
-
-    def packs_bits(self, t: torch.Tensor) -> bool:
-        """Whether t is a boolean mask held as 1 bit per element (Inductor saves ReLU's
-        `x <= 0` masks for backward): lossless, so under any lossy codec."""
-        return (self.name == "division" and t.dtype == torch.bool
-                and t.layout == torch.strided and t.numel() >= self.threshold)
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -156,16 +152,20 @@ def _graph_pack(t: torch.Tensor, name: str, block: int, bits: int, backend: str,
 
 def _traced_pack(spec: GraphCodec, t: torch.Tensor, context: dict | None):
     """(packed form, route name) of a traced saved tensor (see `_graph_pack`)."""
-    if spec.packs_bits(t):
+    chosen = graph_rules.route(spec, t, context)
+    if chosen.name == "mask":
         return (pack_bits(t), tuple(t.shape)), "mask"
-    if not spec.compresses(t):
+    if chosen.name == "kept":
         return t, "kept"
     # A tensor seed, drawn in the graph: each step encodes with fresh noise.
     seed = torch.randint(2**62, (), dtype=torch.int64)
+    if chosen.layout:  # a token view in an eager route's layout
+        parts = torch.ops.freqact.layout_encode(t.reshape(chosen.view), chosen.layout,
+                                                spec.block, spec.bits, seed, spec.backend)
+        return (*parts, list(chosen.view), t.dtype, chosen.layout, tuple(t.shape)), chosen.name
     parts = torch.ops.freqact.division_encode(t, spec.block, spec.bits, None, seed,
                                               spec.backend)
-    node = context.get("_node") if context else None
-    if getattr(node, "target", None) is torch.ops.aten.relu.default:
+    if chosen.name == "relu-mask":
         # ReLU's backward reads the sign of what it saved: keep it exact as 1 bit (the eager
         # routes' relu-mask), the values for the next op's backward in the division form.
         return (*parts, tuple(t.shape), t.dtype, pack_bits(t > 0)), "relu-mask"
@@ -218,6 +218,10 @@ def _graph_unpack(packed, name: str, block: int, bits: int, backend: str, thresh
         return codec.decode(packed)
     if len(packed) == 2:  # a boolean mask
         return unpack_bits(*packed)
+    if len(packed) == 8:  # a token view in a layout
+        *parts, view, dtype, layout, shape = packed
+        x = torch.ops.freqact.layout_decode(*parts, view, dtype, layout, block, bits, backend)
+        return x.view(shape)
     lfc, lo, step, codes, shape, dtype, *positive = packed
     x = torch.ops.freqact.division_decode(lfc, lo, step, codes, list(shape), dtype, block, bits,
                                           backend)
