@@ -157,6 +157,8 @@ def _traced_pack(spec: GraphCodec, t: torch.Tensor, context: dict | None):
         return (pack_bits(t), tuple(t.shape)), "mask"
     if chosen.name == "kept":
         return t, "kept"
+    if chosen.name == "kept copy":  # a view's own elements, so that its base can be freed
+        return t.clone(memory_format=torch.contiguous_format), "kept"
     # A tensor seed, drawn in the graph: each step encodes with fresh noise.
     seed = torch.randint(2**62, (), dtype=torch.int64)
     if chosen.layout:  # a token view in an eager route's layout

@@ -62,6 +62,7 @@ def layout_encode(x: torch.Tensor, layout: str, block: int, bits: int, seed: tor
         (lfc, lo, step, codes): bf16 block means of the block view, bf16 (M, S) min and step
         and uint8 (M, S, nbytes) codes of the stats view (S = F for `chan`, T for `tok`).
     """
+    _views(tuple(x.shape), layout)  # checks layout
     devices = [] if x.device.type == "cpu" else [x.device]
     with torch.random.fork_rng(devices, device_type=x.device.type):
         torch.manual_seed(int(seed) % 2**63)

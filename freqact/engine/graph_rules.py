@@ -10,7 +10,9 @@ give each saved tensor the eager routes' layout where it can tell (docs/ARCHITEC
 - SDPA's saves (the backward op's `query`, `key`, `logsumexp`): kept, `value` and `out`
   in `feat/chan` on (N * heads, T, d) (eager's route where the kernel cannot be rerun: its
   backward recomputes exp(q k^T - logsumexp), so an error on q or k enters exponentially);
-  kept under a mask, is_causal or dropout;
+  kept under a mask, is_causal or dropout. A kept q or k that is a strided view (of the qkv
+  Linear's output, whose v part is coded) is held as a contiguous copy ("kept copy"): as a
+  view it would keep the whole qkv buffer alive;
 - token tensors (N, T, F), and rank-2 (N * T, F) views of them (aten's Linear saves its input
   and the GELU input so, as `addmm`/`mm` operands): `tile/tok` for a LayerNorm's input or
   normalised output (min/step per token), else `tile/chan` (Linear and activation inputs);
@@ -57,7 +59,7 @@ class GraphRoute:
     view: tuple[int, ...] | None = None
 
 
-KEPT, MASK = GraphRoute("kept"), GraphRoute("mask")
+KEPT, COPY, MASK = GraphRoute("kept"), GraphRoute("kept copy"), GraphRoute("mask")
 
 
 def route(spec, t: torch.Tensor, context: dict | None) -> GraphRoute:
@@ -76,7 +78,7 @@ def route(spec, t: torch.Tensor, context: dict | None) -> GraphRoute:
         return KEPT
     node = context.get("_node") if context else None
     chosen = _chosen(t, node, context)
-    return chosen if chosen is KEPT or _smaller(spec, t, chosen) else KEPT
+    return chosen if chosen.name.startswith("kept") or _smaller(spec, t, chosen) else KEPT
 
 
 def _chosen(t: torch.Tensor, node, context) -> GraphRoute:
@@ -84,7 +86,7 @@ def _chosen(t: torch.Tensor, node, context) -> GraphRoute:
     if sdpa is not None:
         if sdpa and t.dim() == 4:
             return _layout(ATTENTION, token_view(tuple(t.shape), heads=True))
-        return KEPT
+        return COPY if t.dim() == 4 and not t.is_contiguous() else KEPT
     if t.dim() == 3 and _convolution_map(node):
         return GraphRoute("division")
     if t.dim() in (2, 3):
@@ -152,21 +154,24 @@ def _is_norm(node) -> bool:
         isinstance(a, torch.fx.Node) and a.target in _NORM_STATS for a in node.args)
 
 
+def _sdpa_reads(node, graph) -> list[tuple[dict, set[str]]]:
+    """(arguments by name, the names node is passed as) of each SDPA backward reading node."""
+    inputs = [n for n in graph.find_nodes(op="placeholder") if n.name == node.name]
+    reads = []
+    for user in (u for n in inputs for u in n.users):
+        schema = getattr(user.target, "_schema", None)
+        if schema is not None and "scaled_dot_product" in schema.name:
+            args = {a.name: v for a, v in zip(schema.arguments, user.args)} | dict(user.kwargs)
+            reads.append((args, {name for name, v in args.items() if v in inputs}))
+    return reads
+
+
 def _sdpa_use(node, context) -> bool | None:
     """None when no SDPA backward reads node; else whether every such read may be coded (as
     `value` or `out`, without a mask, is_causal or dropout)."""
     graph = context.get("_bw_graph") if context else None
-    if node is None or graph is None:
+    reads = _sdpa_reads(node, graph) if node is not None and graph is not None else []
+    if not reads:
         return None
-    inputs = [n for n in graph.find_nodes(op="placeholder") if n.name == node.name]
-    found = None
-    for user in (u for n in inputs for u in n.users):
-        schema = getattr(user.target, "_schema", None)
-        if schema is None or "scaled_dot_product" not in schema.name:
-            continue
-        args = {a.name: v for a, v in zip(schema.arguments, user.args)} | dict(user.kwargs)
-        roles = {name for name, v in args.items() if v in inputs}
-        plain = (not args.get("is_causal") and args.get("attn_mask") is None
-                 and not args.get("dropout_p"))
-        found = (found is not False) and plain and roles <= _SDPA_CODED
-    return found
+    return all(roles <= _SDPA_CODED and not args.get("is_causal") and not args.get("dropout_p")
+               and args.get("attn_mask") is None for args, roles in reads)
