@@ -7,14 +7,16 @@ packed form between forward and backward (`maybe_inline_graph_saved_tensors_hook
 torch/_functorch/_aot_autograd/graph_compile.py). Plain Python hooks instead only see what the
 compiled function as a whole saves, and keep it as is.
 
-Inside a graph nothing says which module is running, so the graph-level rule reads the saved
-tensor alone (`GraphCodec.compresses`): with AOTAutograd's "donated" filtering only intermediates
-(never parameters or graph inputs) reach the hooks; of those, floating tensors of rank 3 to 5
-with at least `threshold` elements go through the codec, boolean masks of that size (Inductor
+Inside a graph nothing says which module is running, so the graph-level rule
+(`graph_rules.route`) reads the saved tensor and the graphs around it: with AOTAutograd's
+"donated" filtering only intermediates (never parameters or graph inputs) reach the hooks; of
+those with at least `threshold` elements, token tensors go through the eager routes' token
+layouts (the `graph_ops` custom ops), maps through division as saved, boolean masks (Inductor
 saves ReLU's) are held as 1 bit per element, the rest are kept. The packed form
 travels as a tuple of tensors (AOTAutograd flattens pack outputs into forward outputs / backward
 inputs). The same hooks run as plain Python hooks where the model runs eagerly (graph breaks):
-there the eager codec encodes the same tensors (parameters and their views kept).
+there the eager codec encodes floating tensors of rank 3 to 5 as saved (parameters and their
+views kept).
 
 The hook objects are cached per codec setting: dynamo guards on their identity, so a fresh pair
 per `compress` block would recompile the model at every step.
@@ -136,7 +138,8 @@ def _graph_pack(t: torch.Tensor, name: str, block: int, bits: int, backend: str,
     Returns:
         Traced: t itself when kept (AOTAutograd then leaves the saved tensor alone),
         (lfc, lo, step, codes, shape, dtype) for division (plus a 1-bit `> 0` mask for a ReLU
-        output), (bits, shape) for a boolean mask. Eager: the eager codec's packed form.
+        output), (lfc, lo, step, codes, view, dtype, layout, shape) for a token layout,
+        (bits, shape) for a boolean mask. Eager: the eager codec's packed form.
     """
     spec = GraphCodec(name, block, bits, backend, threshold)
     if not _is_fake(t):
