@@ -156,6 +156,18 @@ def test_compiled_exact_matches_compiled_normal():
         torch.testing.assert_close(p, g, rtol=1e-4, atol=1e-5)  # Inductor reorders sums
 
 
+def _compiled_forward(model: nn.Module, x: torch.Tensor, make_spy, **division):
+    """(compiled normal gradients, the spy, the meter, the output) of one compiled + division
+    forward of model under the spy `make_spy()` makes."""
+    compiled = torch.compile(model)
+    exact = _grads(compiled, x)
+    spy = make_spy()
+    model.zero_grad(set_to_none=True)
+    with freqact.compress(compiled, "division", **division) as meter:
+        out = compiled(x)
+    return exact, spy, meter, out
+
+
 class _Spy:
     """Records the C kernels' encode outputs and decode inputs as the compiled graph calls them."""
 
@@ -179,12 +191,8 @@ class _Spy:
 @pytest.mark.skipif(not cpu.available(), reason="the C kernels cannot be built here")
 def test_compiled_division_holds_the_eager_codec_bytes(monkeypatch):
     model, x = _net(), torch.randn(4, 3, 16, 16)
-    compiled = torch.compile(model)
-    exact = _grads(compiled, x)
-    spy = _Spy(monkeypatch)
-    model.zero_grad(set_to_none=True)
-    with freqact.compress(compiled, "division", block=4, bits=2) as meter:
-        out = compiled(x)
+    exact, spy, meter, out = _compiled_forward(model, x, lambda: _Spy(monkeypatch), block=4,
+                                               bits=2)
     # encoded in the forward, nothing decoded before backward: the graph holds the packed form
     assert len(spy.encoded) >= 1 and not spy.decoded
     node = out.grad_fn
@@ -325,12 +333,8 @@ def test_compiled_division_vit_token_layouts(monkeypatch):
     torch.manual_seed(0)
     model = freqact.models.get("vit", dim=32, depth=1, heads=2)
     x = torch.randn(8, 3, 32, 32)
-    compiled = torch.compile(model)
-    exact = _grads(compiled, x)
-    spy = _LayoutSpy(monkeypatch)
-    model.zero_grad(set_to_none=True)
-    with freqact.compress(compiled, "division", block=8, bits=2) as meter:
-        out = compiled(x)
+    exact, spy, meter, out = _compiled_forward(model, x, lambda: _LayoutSpy(monkeypatch),
+                                               block=8, bits=2)
     encoded = list(spy.encoded)
     assert encoded and not spy.decoded  # the graph holds the packed forms until backward
     out.square().sum().backward()
