@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from freqact.codecs.base import Codec, Exact, ExactPacked
-from freqact.engine import graph_meter, graph_rules
+from freqact.engine import graph_meter, graph_ops, graph_rules
 
 __all__ = ["GRAPH_CODECS", "THRESHOLD", "GraphCodec", "graph_hooks", "installed", "is_compiled",
            "spec_for"]
@@ -273,8 +273,10 @@ def installed(spec: GraphCodec):
     With AOTAutograd's "donated" filtering (only graph intermediates get hooks: parameters and
     inputs stay as they are). Under division also, for the graphs compiled inside the block:
     Inductor's layout optimization off (it saves a channels-last copy of every conv weight and of
-    the batch for backward, 43 MB on ResNet-18, that no hook sees) and the backward compiled at
-    once (inside the block, so with the same setting); `exact` leaves the graphs as compiled
+    the batch for backward, 43 MB on ResNet-18, that no hook sees), SDPA recomputed in backward
+    (`graph_ops.recompute_attention`, unless a joint_custom_pre_pass is set already: then q and
+    k stay exact) and the backward compiled at once (inside the block, so with the same
+    settings); `exact` leaves the graphs as compiled
     normal training has them. No AOTAutograd cache: the pack hook must trace for the meter's
     plans (`graph_meter`).
     """
@@ -286,6 +288,9 @@ def installed(spec: GraphCodec):
             from torch._inductor import config as inductor
 
             stack.enter_context(inductor.patch(layout_optimization=False))
+            if inductor.joint_custom_pre_pass is None:  # a user's own pass is left in place
+                stack.enter_context(inductor.patch(
+                    joint_custom_pre_pass=graph_ops.recompute_attention()))
             stack.enter_context(torch._functorch.config.patch(
                 force_non_lazy_backward_lowering=True))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))

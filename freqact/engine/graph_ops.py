@@ -20,7 +20,8 @@ import torch
 
 from freqact.kernels.format import LfcPacked, QuantPacked, geometry
 
-__all__ = ["LAYOUTS", "layout_codec", "layout_decode", "layout_encode"]
+__all__ = ["LAYOUTS", "layout_codec", "layout_decode", "layout_encode", "recompute_attention",
+           "sdpa_flash_cpu"]
 
 LAYOUTS = ("feat/chan", "feat/tok", "tile/chan", "tile/tok")
 """The layouts the ops serve (no head token, no grids: what a graph's token views need)."""
@@ -99,3 +100,69 @@ def layout_decode(lfc: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes
 def _layout_decode_fake(lfc, lo, step, codes, shape, dtype, layout, block, bits,
                         backend="auto"):
     return lfc.new_empty(shape, dtype=dtype)
+
+
+@torch.library.custom_op("freqact::sdpa_flash_cpu", mutates_args=())
+def sdpa_flash_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   dropout_p: float = 0.0, is_causal: bool = False,
+                   attn_mask: torch.Tensor | None = None, scale: float | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`aten._scaled_dot_product_flash_attention_for_cpu` (output, logsumexp) without its
+    random-op tag, so the partitioner can recompute it in backward (`recompute_attention`)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    return out, lse
+
+
+@sdpa_flash_cpu.register_fake
+def _sdpa_flash_cpu_fake(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None,
+                         scale=None):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+
+
+_SDPA_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_SDPA_ARGS = ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale")
+
+
+def _recompute_attention(graph: torch.fx.Graph) -> None:
+    """Each CPU flash SDPA without dropout of a joint graph becomes `sdpa_flash_cpu`, tagged to
+    be recomputed in backward (see `recompute_attention`)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for node in graph.find_nodes(op="call_function", target=_SDPA_CPU):
+        args = dict(zip(_SDPA_ARGS, node.args)) | dict(node.kwargs)
+        if args.get("dropout_p"):
+            continue
+        node.target = torch.ops.freqact.sdpa_flash_cpu.default
+        node.args = (*node.args[:3], args.get("dropout_p", 0.0), args.get("is_causal", False),
+                     args.get("attn_mask"), args.get("scale"))
+        node.kwargs = {}
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        node.meta["ac_graph_id"] = 0
+
+
+@functools.cache
+def recompute_attention():
+    """The joint-graph pass (`torch._inductor.config.joint_custom_pre_pass`) that recomputes
+    SDPA in backward: a `CustomGraphPass` (Inductor keys its caches on the pass's uuid), made on
+    first use (its module imports Inductor).
+
+    The partitioner then saves SDPA's q, k, v instead of its output and logsumexp, and the
+    backward reruns the kernel on them, as eager's `attention.SdpaCall` does: with q, k, v
+    decoded, the recomputed logsumexp matches the decoded scores (an error on q or k no longer
+    enters exponentially), so q, k, v can be coded. The aten op itself carries a random-op tag
+    (dropout): recomputing it made the partitioner save an RNG state under a name the
+    saved-tensor hook inlining could not find ("could not find saved tensor getitem_8 in
+    bw_g_inputs", torch 2.13), hence the untagged `sdpa_flash_cpu`.
+    """
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class RecomputeAttention(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            _recompute_attention(graph)
+
+        def uuid(self) -> str:
+            return "freqact.recompute_attention.1"
+
+    return RecomputeAttention()

@@ -7,10 +7,12 @@ give each saved tensor the eager routes' layout where it can tell (docs/ARCHITEC
 "Compiled models"):
 
 - boolean masks: 1 bit each ("mask"); tensors under the threshold, non-floating: kept;
-- SDPA's saves (the backward op's `query`, `key`, `logsumexp`): kept, `value` and `out`
-  in `feat/chan` on (N * heads, T, d) (eager's route where the kernel cannot be rerun: its
-  backward recomputes exp(q k^T - logsumexp), so an error on q or k enters exponentially);
-  kept under a mask, is_causal or dropout. A kept q or k that is a strided view (of the qkv
+- SDPA's saves: where the backward reruns the CPU flash kernel (`graph_ops.
+  recompute_attention`: the graph saves q, k, v, not out and logsumexp), q, k, v in
+  `feat/chan` on (N * heads, T, d), as eager's `attention.SdpaCall`; elsewhere the backward
+  op's `query`, `key`, `logsumexp` kept, `value` and `out` in `feat/chan` (eager's route where
+  the kernel cannot be rerun: its backward computes exp(q k^T - logsumexp), so an error on q
+  or k enters exponentially), kept under a mask, is_causal or dropout. A kept q or k that is a strided view (of the qkv
   Linear's output, whose v part is coded) is held as a contiguous copy ("kept copy"): as a
   view it would keep the whole qkv buffer alive;
 - token tensors (N, T, F), and rank-2 (N * T, F) views of them (aten's Linear saves its input
@@ -39,7 +41,9 @@ _VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten.reshape.default,
 _NORM_STATS = frozenset({torch.ops.aten.var_mean.correction, torch.ops.aten.rsqrt.default,
                          torch.ops.aten.native_layer_norm.default})
 _CONVOLUTION = torch.ops.aten.convolution.default
+_SDPA_OPS = ("scaled_dot_product", "freqact::sdpa_flash_cpu")
 _SDPA_CODED = frozenset({"value", "out"})
+_RECOMPUTED_CODED = frozenset({"query", "key", "value"})
 TOKENS, FEATURES, ATTENTION = "tile/tok", "tile/chan", "feat/chan"
 
 
@@ -154,24 +158,28 @@ def _is_norm(node) -> bool:
         isinstance(a, torch.fx.Node) and a.target in _NORM_STATS for a in node.args)
 
 
-def _sdpa_reads(node, graph) -> list[tuple[dict, set[str]]]:
-    """(arguments by name, the names node is passed as) of each SDPA backward reading node."""
+def _sdpa_reads(node, graph) -> list[tuple[str, dict, set[str]]]:
+    """(op name, arguments by name, the names node is passed as) of each SDPA op reading node
+    in backward: SDPA's backward, and its forward where it is recomputed there."""
     inputs = [n for n in graph.find_nodes(op="placeholder") if n.name == node.name]
     reads = []
     for user in (u for n in inputs for u in n.users):
         schema = getattr(user.target, "_schema", None)
-        if schema is not None and "scaled_dot_product" in schema.name:
+        if schema is not None and any(name in schema.name for name in _SDPA_OPS):
             args = {a.name: v for a, v in zip(schema.arguments, user.args)} | dict(user.kwargs)
-            reads.append((args, {name for name, v in args.items() if v in inputs}))
+            reads.append((schema.name, args, {name for name, v in args.items() if v in inputs}))
     return reads
 
 
 def _sdpa_use(node, context) -> bool | None:
-    """None when no SDPA backward reads node; else whether every such read may be coded (as
-    `value` or `out`, without a mask, is_causal or dropout)."""
+    """None when no SDPA op reads node in backward; else whether it may be coded: q, k, v where
+    the backward recomputes the forward from them (`graph_ops.recompute_attention`), else
+    `value` and `out` without a mask, is_causal or dropout."""
     graph = context.get("_bw_graph") if context else None
     reads = _sdpa_reads(node, graph) if node is not None and graph is not None else []
     if not reads:
         return None
+    if any(name.endswith("sdpa_flash_cpu") for name, _, _ in reads):
+        return all(roles <= _RECOMPUTED_CODED for _, _, roles in reads)
     return all(roles <= _SDPA_CODED and not args.get("is_causal") and not args.get("dropout_p")
-               and args.get("attn_mask") is None for args, roles in reads)
+               and args.get("attn_mask") is None for _, args, roles in reads)
