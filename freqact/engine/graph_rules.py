@@ -22,7 +22,8 @@ give each saved tensor the eager routes' layout where it can tell (docs/ARCHITEC
   rank-2 tensors without one (BatchNorm1d inputs, a classifier's (N, F) input) are kept;
 - rank 4 and 5 maps, and a Conv1d's rank-3 input or output: `division` as saved (the map
   rule; a ReLU output also keeps its signs as 1 bit, "relu-mask");
-- whatever would not get smaller packed (LayerNorm's (N, T, 1) statistics) is kept.
+- per-token statistics (N, T, 1) (LayerNorm's mean and rstd: its gradient scales with rstd) and
+  whatever would not get smaller packed are kept.
 """
 from __future__ import annotations
 
@@ -94,6 +95,8 @@ def _chosen(t: torch.Tensor, node, context) -> GraphRoute:
     if t.dim() == 3 and _convolution_map(node):
         return GraphRoute("division")
     if t.dim() in (2, 3):
+        if t.shape[-1] == 1:  # per-token statistics (LayerNorm's mean, rstd): kept exact
+            return KEPT
         view = _token_shape(t, node)
         if view is None:
             return KEPT
