@@ -367,3 +367,22 @@ def test_compiled_division_vit_token_layouts(monkeypatch):
     ref = torch.cat([e.flatten() for e in exact])
     assert flat.isfinite().all()
     assert float(flat @ ref / flat.norm() / ref.norm()) > 0.8
+
+
+@pytest.mark.slow
+def test_compiled_division_leaves_a_users_joint_pass(monkeypatch):
+    # With the user's own joint_custom_pre_pass the attention is not recomputed in backward:
+    # SDPA's q, k and logsumexp are then kept exact (the eager rule where it cannot rerun).
+    from torch._inductor import config as inductor
+
+    calls = []
+    torch.manual_seed(0)
+    model = freqact.models.get("vit", dim=32, depth=1, heads=2)
+    compiled = torch.compile(model)
+    with inductor.patch(joint_custom_pre_pass=calls.append):
+        with freqact.compress(compiled, "division", block=8, bits=2) as meter:
+            out = compiled(torch.randn(8, 3, 32, 32))
+    out.sum().backward()
+    assert calls  # the user's pass ran
+    rows = {row.layer: row for row in meter.per_layer()}
+    assert set(rows["blocks.0.attn"].routes) == {"kept", "division feat/chan"}
