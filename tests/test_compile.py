@@ -142,6 +142,20 @@ def test_graph_hooks_traced_round_trip():
     assert torch.equal(graph(small), small)
 
 
+def test_graph_hooks_on_real_tensors_use_the_eager_codec():
+    # Where a graph breaks, autograd calls the same hooks on real tensors (no graph context).
+    from freqact.engine import compiled
+
+    pack, unpack = compiled.graph_hooks(compiled.GraphCodec("division", 4, 2, "auto"))
+    x = torch.randn(2, 8, 16, 16)
+    packed = pack(x)
+    assert packed.nbytes < x.nbytes
+    out = unpack(packed)
+    assert out.shape == x.shape and 0 < float((out - x).abs().max()) < float(x.abs().max())
+    small = torch.randn(2, 3, 4)
+    assert torch.equal(unpack(pack(small)), small)
+
+
 # --- compress around a compiled model ------------------------------------------------------------
 
 

@@ -247,8 +247,7 @@ def _eager_codec(spec: GraphCodec) -> Codec:
 
     if spec.name == "exact":
         return _EXACT
-    return codecs.get("division", block=spec.block, bits=spec.bits,
-                      backend=None if spec.backend == "auto" else spec.backend)
+    return codecs.get("division", block=spec.block, bits=spec.bits, backend=spec.backend)
 
 
 def _hook_module(fn, spec: GraphCodec, arg: str) -> torch.fx.GraphModule:
