@@ -8,8 +8,10 @@ In one run, for CIFAR ResNet-18 and the small ViT (`freqact.models.get("vit")`),
    measures it: MALLOC_MMAP_THRESHOLD_=65536, one warm-up step that also compiles, then the freed
    heap trimmed) (goal: >= 8x less);
 2. training-step time (forward, backward, SGD step), modes taking turns: compiled,
-   compiled+division, and eager+division (the uncompiled model in compress) (goal on the CPU:
-   compiled+division <= 1.15x compiled).
+   compiled+division, eager+division (the uncompiled model in compress) and "compiled
+   layout-off" (compiled normal training with Inductor's layout optimization off, as division
+   compiles the graphs: it splits compiled+division's cost into the layout's and the codec's)
+   (goal on the CPU: compiled+division <= 1.15x compiled).
 
 Prints a table and writes benchmarks/results/compile-<device>.json.
 
@@ -19,6 +21,8 @@ Prints a table and writes benchmarks/results/compile-<device>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import json
 import os
 import statistics
@@ -39,7 +43,7 @@ from freqact.engine import compress
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CASES = (("resnet18", 64), ("vit", 64))
 MEMORY_MODES = ("compiled", "compiled+division")
-STEP_MODES = ("compiled", "compiled+division", "eager+division")
+STEP_MODES = ("compiled", "compiled+division", "eager+division", "compiled layout-off")
 DIVISION = {"block": 8, "bits": 2}
 
 
@@ -56,7 +60,18 @@ def _loss(model, compiled, x, y, mode: str) -> torch.Tensor:
     if mode.endswith("division"):
         with compress(net, "division", **DIVISION):
             return F.cross_entropy(net(x), y)
-    return F.cross_entropy(net(x), y)
+    with _layout_off() if mode.endswith("layout-off") else contextlib.nullcontext():
+        return F.cross_entropy(net(x), y)
+
+
+def _layout_off():
+    """Compile as `compress` does under division: layout optimization off, backward at once."""
+    from torch._inductor import config as inductor
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(inductor.patch(layout_optimization=False))
+    stack.enter_context(torch._functorch.config.patch(force_non_lazy_backward_lowering=True))
+    return stack
 
 
 def measure_memory(name: str, batch: int, mode: str) -> dict:
@@ -83,11 +98,18 @@ def _memory_in_fresh_process(name: str, batch: int, mode: str) -> dict:
 def step_times(name: str, batch: int, repeats: int) -> dict:
     """Median training-step seconds per mode; the modes take turns (one step each per round)."""
     model, compiled, x, y = _setup(name, batch)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    # a copy for the layout-off graphs (dynamo would reuse the model's graphs for the model)
+    twin = copy.deepcopy(model)
+    nets = {mode: (model, compiled) for mode in STEP_MODES}
+    nets["compiled layout-off"] = (twin, torch.compile(twin))
+    optimizers = {id(m): torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+                  for m in (model, twin)}
 
     def step(mode):
+        net, compiled_net = nets[mode]
+        optimizer = optimizers[id(net)]
         optimizer.zero_grad(set_to_none=True)
-        _loss(model, compiled, x, y, mode).backward()
+        _loss(net, compiled_net, x, y, mode).backward()
         optimizer.step()
 
     for mode in STEP_MODES:  # compiles each mode's graphs before any timing

@@ -142,6 +142,20 @@ def test_graph_hooks_traced_round_trip():
     assert torch.equal(graph(small), small)
 
 
+def test_graph_hooks_on_real_tensors_use_the_eager_codec():
+    # Where a graph breaks, autograd calls the same hooks on real tensors (no graph context).
+    from freqact.engine import compiled
+
+    pack, unpack = compiled.graph_hooks(compiled.GraphCodec("division", 4, 2, "auto"))
+    x = torch.randn(2, 8, 16, 16)
+    packed = pack(x)
+    assert packed.nbytes < x.nbytes
+    out = unpack(packed)
+    assert out.shape == x.shape and 0 < float((out - x).abs().max()) < float(x.abs().max())
+    small = torch.randn(2, 3, 4)
+    assert torch.equal(unpack(pack(small)), small)
+
+
 # --- compress around a compiled model ------------------------------------------------------------
 
 
@@ -154,6 +168,18 @@ def test_compiled_exact_matches_compiled_normal():
     for p, e, g in zip(plain, exact, eager):
         assert torch.equal(p, e)  # the exact hooks leave the graph as it was
         torch.testing.assert_close(p, g, rtol=1e-4, atol=1e-5)  # Inductor reorders sums
+
+
+def _compiled_forward(model: nn.Module, x: torch.Tensor, make_spy, **division):
+    """(compiled normal gradients, the spy, the meter, the output) of one compiled + division
+    forward of model under the spy `make_spy()` makes."""
+    compiled = torch.compile(model)
+    exact = _grads(compiled, x)
+    spy = make_spy()
+    model.zero_grad(set_to_none=True)
+    with freqact.compress(compiled, "division", **division) as meter:
+        out = compiled(x)
+    return exact, spy, meter, out
 
 
 class _Spy:
@@ -179,12 +205,8 @@ class _Spy:
 @pytest.mark.skipif(not cpu.available(), reason="the C kernels cannot be built here")
 def test_compiled_division_holds_the_eager_codec_bytes(monkeypatch):
     model, x = _net(), torch.randn(4, 3, 16, 16)
-    compiled = torch.compile(model)
-    exact = _grads(compiled, x)
-    spy = _Spy(monkeypatch)
-    model.zero_grad(set_to_none=True)
-    with freqact.compress(compiled, "division", block=4, bits=2) as meter:
-        out = compiled(x)
+    exact, spy, meter, out = _compiled_forward(model, x, lambda: _Spy(monkeypatch), block=4,
+                                               bits=2)
     # encoded in the forward, nothing decoded before backward: the graph holds the packed form
     assert len(spy.encoded) >= 1 and not spy.decoded
     node = out.grad_fn
@@ -263,3 +285,119 @@ def test_compiled_division_graph_break_new_shape_and_eval(monkeypatch):
     model.eval()
     with torch.no_grad(), freqact.compress(compiled, "division"):
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+# --- token tensors inside graphs (the ViT) --------------------------------------------------------
+
+
+def test_layout_ops_opcheck_and_eager_bytes():
+    from freqact.engine import graph_ops
+    from freqact.engine.layouts import TokenLayout
+
+    x = torch.randn(3, 13, 24)
+    seed = torch.tensor(7)
+    for layout in graph_ops.LAYOUTS:
+        _opcheck(OPS.layout_encode.default, (x, layout, 4, 2, seed, BACKEND))
+        parts = OPS.layout_encode(x, layout, 4, 2, seed, BACKEND)
+        codec = TokenLayout(freqact.codecs.get("division", block=4, bits=2, backend=BACKEND),
+                            *layout.split("/"))
+        torch.manual_seed(7)
+        want = codec.encode(x)
+        for got, name in zip(parts, ("lfc", "lo", "step", "codes")):
+            ref = want.lfc.lfc if name == "lfc" else getattr(want.quant, name)
+            assert torch.equal(got, ref), (layout, name)
+        _opcheck(OPS.layout_decode.default, (*parts, list(x.shape), x.dtype, layout, 4, 2,
+                                             BACKEND))
+        out = OPS.layout_decode(*parts, list(x.shape), x.dtype, layout, 4, 2, BACKEND)
+        assert torch.equal(out, codec.decode(want))
+    with pytest.raises(ValueError, match="layout"):
+        OPS.layout_encode(x, "grid64/chan", 4, 2, seed, BACKEND)
+
+
+class _LayoutSpy:
+    """Records each TokenLayout encode (layout, input, generator state, output) and decode."""
+
+    def __init__(self, monkeypatch):
+        from freqact.engine.layouts import TokenLayout
+
+        self.encoded, self.decoded = [], []
+        encode, decode = TokenLayout.encode, TokenLayout.decode
+
+        def spy_encode(codec, x, noise=None):
+            state = torch.get_rng_state()
+            out = encode(codec, x, noise)
+            self.encoded.append((codec.layout, x.clone(), state, out))
+            return out
+
+        def spy_decode(codec, packed):
+            self.decoded.append(packed)
+            return decode(codec, packed)
+
+        monkeypatch.setattr(TokenLayout, "encode", spy_encode)
+        monkeypatch.setattr(TokenLayout, "decode", spy_decode)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="the C kernels cannot be built here")
+def test_compiled_division_vit_token_layouts(monkeypatch):
+    # A 1-block ViT (65 tokens of 32 features, 2 heads): its Linear inputs are saved as rank-2
+    # (N * T, F) views, GELU's input as an addmm output, LayerNorm's normalised output and
+    # statistics, SDPA's q/k/v/out/logsumexp.
+    from freqact.engine import routes
+
+    torch.manual_seed(0)
+    model = freqact.models.get("vit", dim=32, depth=1, heads=2)
+    x = torch.randn(8, 3, 32, 32)
+    exact, spy, meter, out = _compiled_forward(model, x, lambda: _LayoutSpy(monkeypatch),
+                                               block=8, bits=2)
+    encoded = list(spy.encoded)
+    assert encoded and not spy.decoded  # the graph holds the packed forms until backward
+    out.square().sum().backward()
+    assert len(spy.decoded) == len(encoded)
+    monkeypatch.undo()
+    rows = {row.layer: row for row in meter.per_layer()}
+    assert rows["blocks.0.attn.qkv"].routes == ("division tile/chan",)
+    assert rows["blocks.0.mlp.0"].routes == ("division tile/chan",)  # its input, GELU's input
+    assert "division tile/tok" in rows["blocks.0.norm2"].routes
+    # SDPA is rerun in backward from the decoded q, k, v: they are coded, out and logsumexp
+    # not saved (eager's SdpaCall)
+    assert rows["blocks.0.attn"].routes == ("division feat/chan",)
+    assert meter.ratio > 6
+    # the qkv Linear's input: the eager route's codec and view, the same bytes given the noise
+    block = model.blocks[0]
+    tokens = torch.cat([model.cls_token.expand(8, -1, -1),
+                        model.patch_embed(x).flatten(2).transpose(1, 2)], 1) + model.pos_embed
+    qkv_input = block.norm1(tokens).detach()
+    eager = routes.Routes.for_codec(freqact.codecs.get("division", block=8, bits=2)).features
+    assert eager.layout == "tile/chan"
+    found = [e for e in encoded if e[0] == "tile/chan" and e[1].shape == qkv_input.shape
+             and torch.allclose(e[1], qkv_input, atol=1e-5)]
+    assert found
+    layout, xs, state, packed = found[0]
+    torch.set_rng_state(state)
+    want = eager.codec.encode(xs)
+    assert torch.equal(packed.quant.codes, want.quant.codes)
+    assert torch.equal(packed.lfc.lfc, want.lfc.lfc)
+    flat = torch.cat([p.grad.flatten() for p in model.parameters()])
+    ref = torch.cat([e.flatten() for e in exact])
+    assert flat.isfinite().all()
+    assert float(flat @ ref / flat.norm() / ref.norm()) > 0.8
+
+
+@pytest.mark.slow
+def test_compiled_division_leaves_a_users_joint_pass(monkeypatch):
+    # With the user's own joint_custom_pre_pass the attention is not recomputed in backward:
+    # SDPA's q, k and logsumexp are then kept exact (the eager rule where it cannot rerun).
+    from torch._inductor import config as inductor
+
+    calls = []
+    torch._dynamo.reset()  # dynamo would reuse another test's graphs of the same ViT
+    torch.manual_seed(0)
+    model = freqact.models.get("vit", dim=32, depth=1, heads=2)
+    compiled = torch.compile(model)
+    with inductor.patch(joint_custom_pre_pass=calls.append):
+        with freqact.compress(compiled, "division", block=8, bits=2) as meter:
+            out = compiled(torch.randn(8, 3, 32, 32))
+    out.sum().backward()
+    assert calls  # the user's pass ran
+    rows = {row.layer: row for row in meter.per_layer()}
+    assert set(rows["blocks.0.attn"].routes) == {"kept", "division feat/chan"}

@@ -7,14 +7,16 @@ packed form between forward and backward (`maybe_inline_graph_saved_tensors_hook
 torch/_functorch/_aot_autograd/graph_compile.py). Plain Python hooks instead only see what the
 compiled function as a whole saves, and keep it as is.
 
-Inside a graph nothing says which module is running, so the graph-level rule reads the saved
-tensor alone (`GraphCodec.compresses`): with AOTAutograd's "donated" filtering only intermediates
-(never parameters or graph inputs) reach the hooks; of those, floating tensors of rank 3 to 5
-with at least `threshold` elements go through the codec, boolean masks of that size (Inductor
+Inside a graph nothing says which module is running, so the graph-level rule
+(`graph_rules.route`) reads the saved tensor and the graphs around it: with AOTAutograd's
+"donated" filtering only intermediates (never parameters or graph inputs) reach the hooks; of
+those with at least `threshold` elements, token tensors go through the eager routes' token
+layouts (the `graph_ops` custom ops), maps through division as saved, boolean masks (Inductor
 saves ReLU's) are held as 1 bit per element, the rest are kept. The packed form
 travels as a tuple of tensors (AOTAutograd flattens pack outputs into forward outputs / backward
 inputs). The same hooks run as plain Python hooks where the model runs eagerly (graph breaks):
-there the eager codec encodes the same tensors (parameters and their views kept).
+there the eager codec encodes floating tensors of rank 3 to 5 as saved (parameters and their
+views kept).
 
 The hook objects are cached per codec setting: dynamo guards on their identity, so a fresh pair
 per `compress` block would recompile the model at every step.
@@ -31,7 +33,7 @@ import torch
 from torch import nn
 
 from freqact.codecs.base import Codec, Exact, ExactPacked
-from freqact.engine import graph_meter
+from freqact.engine import graph_meter, graph_ops, graph_rules
 
 __all__ = ["GRAPH_CODECS", "THRESHOLD", "GraphCodec", "graph_hooks", "installed", "is_compiled",
            "spec_for"]
@@ -110,16 +112,12 @@ class GraphCodec:
         return cls("division", codec.block, codec.bits, codec._kernels or "auto", threshold)
 
     def compresses(self, t: torch.Tensor) -> bool:
-        """The graph-level rule: which saved tensors go through the codec."""
+        """The rule where a graph breaks (the hooks run eagerly on real tensors, without the
+        graph's context): floating tensors of rank 3 to 5 go through the eager codec as saved.
+        Inside graphs `graph_rules.route` decides."""
         return (self.name == "division" and t.dtype in _CODEC_DTYPES
                 and t.layout == torch.strided and 3 <= t.dim() <= 5
                 and t.numel() >= self.threshold)
-
-    def packs_bits(self, t: torch.Tensor) -> bool:
-        """Whether t is a boolean mask held as 1 bit per element (Inductor saves ReLU's
-        `x <= 0` masks for backward): lossless, so under any lossy codec."""
-        return (self.name == "division" and t.dtype == torch.bool
-                and t.layout == torch.strided and t.numel() >= self.threshold)
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -140,7 +138,8 @@ def _graph_pack(t: torch.Tensor, name: str, block: int, bits: int, backend: str,
     Returns:
         Traced: t itself when kept (AOTAutograd then leaves the saved tensor alone),
         (lfc, lo, step, codes, shape, dtype) for division (plus a 1-bit `> 0` mask for a ReLU
-        output), (bits, shape) for a boolean mask. Eager: the eager codec's packed form.
+        output), (lfc, lo, step, codes, view, dtype, layout, shape) for a token layout,
+        (bits, shape) for a boolean mask. Eager: the eager codec's packed form.
     """
     spec = GraphCodec(name, block, bits, backend, threshold)
     if not _is_fake(t):
@@ -156,16 +155,22 @@ def _graph_pack(t: torch.Tensor, name: str, block: int, bits: int, backend: str,
 
 def _traced_pack(spec: GraphCodec, t: torch.Tensor, context: dict | None):
     """(packed form, route name) of a traced saved tensor (see `_graph_pack`)."""
-    if spec.packs_bits(t):
+    chosen = graph_rules.route(spec, t, context)
+    if chosen.name == "mask":
         return (pack_bits(t), tuple(t.shape)), "mask"
-    if not spec.compresses(t):
+    if chosen.name == "kept":
         return t, "kept"
+    if chosen.name == "kept copy":  # a view's own elements, so that its base can be freed
+        return t.clone(memory_format=torch.contiguous_format), "kept"
     # A tensor seed, drawn in the graph: each step encodes with fresh noise.
     seed = torch.randint(2**62, (), dtype=torch.int64)
+    if chosen.layout:  # a token view in an eager route's layout
+        parts = torch.ops.freqact.layout_encode(t.reshape(chosen.view), chosen.layout,
+                                                spec.block, spec.bits, seed, spec.backend)
+        return (*parts, list(chosen.view), t.dtype, chosen.layout, tuple(t.shape)), chosen.name
     parts = torch.ops.freqact.division_encode(t, spec.block, spec.bits, None, seed,
                                               spec.backend)
-    node = context.get("_node") if context else None
-    if getattr(node, "target", None) is torch.ops.aten.relu.default:
+    if chosen.name == "relu-mask":
         # ReLU's backward reads the sign of what it saved: keep it exact as 1 bit (the eager
         # routes' relu-mask), the values for the next op's backward in the division form.
         return (*parts, tuple(t.shape), t.dtype, pack_bits(t > 0)), "relu-mask"
@@ -196,8 +201,13 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     pad = -flat.numel() % 8
     if pad:
         flat = torch.nn.functional.pad(flat, (0, pad))
-    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
-    return (flat.view(-1, 8) << shifts).sum(1, dtype=torch.uint8)
+    flat = flat.view(-1, 8)
+    # An OR of the 8 shifted columns, not a sum over a dim of 8: Inductor vectorises the
+    # pointwise chain (8 ms for a 16 MB ReLU map on the CPU) but not that reduction (260 ms).
+    out = flat[:, 0]
+    for i in range(1, 8):
+        out = out | (flat[:, i] << i)
+    return out
 
 
 def unpack_bits(packed: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -218,6 +228,10 @@ def _graph_unpack(packed, name: str, block: int, bits: int, backend: str, thresh
         return codec.decode(packed)
     if len(packed) == 2:  # a boolean mask
         return unpack_bits(*packed)
+    if len(packed) == 8:  # a token view in a layout
+        *parts, view, dtype, layout, shape = packed
+        x = torch.ops.freqact.layout_decode(*parts, view, dtype, layout, block, bits, backend)
+        return x.view(shape)
     lfc, lo, step, codes, shape, dtype, *positive = packed
     x = torch.ops.freqact.division_decode(lfc, lo, step, codes, list(shape), dtype, block, bits,
                                           backend)
@@ -233,8 +247,7 @@ def _eager_codec(spec: GraphCodec) -> Codec:
 
     if spec.name == "exact":
         return _EXACT
-    return codecs.get("division", block=spec.block, bits=spec.bits,
-                      backend=None if spec.backend == "auto" else spec.backend)
+    return codecs.get("division", block=spec.block, bits=spec.bits, backend=spec.backend)
 
 
 def _hook_module(fn, spec: GraphCodec, arg: str) -> torch.fx.GraphModule:
@@ -259,8 +272,10 @@ def installed(spec: GraphCodec):
     With AOTAutograd's "donated" filtering (only graph intermediates get hooks: parameters and
     inputs stay as they are). Under division also, for the graphs compiled inside the block:
     Inductor's layout optimization off (it saves a channels-last copy of every conv weight and of
-    the batch for backward, 43 MB on ResNet-18, that no hook sees) and the backward compiled at
-    once (inside the block, so with the same setting); `exact` leaves the graphs as compiled
+    the batch for backward, 43 MB on ResNet-18, that no hook sees), SDPA recomputed in backward
+    (`graph_ops.recompute_attention`, unless a joint_custom_pre_pass is set already: then q and
+    k stay exact) and the backward compiled at once (inside the block, so with the same
+    settings); `exact` leaves the graphs as compiled
     normal training has them. No AOTAutograd cache: the pack hook must trace for the meter's
     plans (`graph_meter`).
     """
@@ -272,6 +287,9 @@ def installed(spec: GraphCodec):
             from torch._inductor import config as inductor
 
             stack.enter_context(inductor.patch(layout_optimization=False))
+            if inductor.joint_custom_pre_pass is None:  # a user's own pass is left in place
+                stack.enter_context(inductor.patch(
+                    joint_custom_pre_pass=graph_ops.recompute_attention()))
             stack.enter_context(torch._functorch.config.patch(
                 force_non_lazy_backward_lowering=True))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))

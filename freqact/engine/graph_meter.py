@@ -30,8 +30,9 @@ class PlanRow:
 
     Attributes:
         layer, type: the module that made the node ("" and the model's type when unknown).
-        route: "division", "relu-mask" (a ReLU output: division and a 1-bit sign mask), "mask"
-            (a boolean mask held as bits) or "kept".
+        route: "division", "division <layout>" (a token view in a `graph_ops` layout),
+            "relu-mask" (a ReLU output: division and a 1-bit sign mask), "mask" (a boolean mask
+            held as bits) or "kept".
         saved_bytes: bytes of the packed form; exact_bytes: bytes of the tensor itself.
     """
 

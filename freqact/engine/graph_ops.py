@@ -1,0 +1,168 @@
+"""The token layouts (`layouts.TokenLayout`) as torch.library custom ops, for compiled graphs.
+
+`torch.ops.freqact.layout_encode` / `layout_decode` run `TokenLayout.encode` / `decode` on a token
+view (M, T, F) in the `feat` or `tile` blocks with `tok` or `chan` statistics (the layouts the
+eager routes give Linear and activation inputs, norm inputs and SDPA's v/out), so a compiled
+graph holds exactly the bytes eager training holds for the same tensor. They take and return
+plain tensors: (lfc, lo, step, codes), the parts of `LayoutPacked` without a head.
+
+Noise: as `ops.division_encode`, the encode takes an int64 seed tensor drawn in the graph (a
+Python int would be a graph constant: every step would reuse one noise stream); the op seeds
+torch's generators with it for the call (and restores them), so `torch.manual_seed(seed)` before
+the eager `TokenLayout.encode` gives the same bytes (the C and Triton kernels draw their own
+noise from a seed taken from the generator: no noise tensor is made).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from freqact.kernels.format import LfcPacked, QuantPacked, geometry
+
+__all__ = ["LAYOUTS", "layout_codec", "layout_decode", "layout_encode", "recompute_attention",
+           "sdpa_flash_cpu"]
+
+LAYOUTS = ("feat/chan", "feat/tok", "tile/chan", "tile/tok")
+"""The layouts the ops serve (no head token, no grids: what a graph's token views need)."""
+
+
+def _views(shape: tuple[int, ...], layout: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(block view, stats view) shapes of a (M, T, F) token view, as `TokenLayout` reads it."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    m, t, f = shape
+    blocks, stats = layout.split("/")
+    return ((m, 1, t, f) if blocks == "tile" else (m, t, f)), (
+        (m, f, t) if stats == "chan" else (m, t, f))
+
+
+@functools.cache
+def layout_codec(layout: str, block: int, bits: int, backend: str = "auto"):
+    """The eager `TokenLayout` the ops run (`division` B, Q on `backend`, "auto": the default)."""
+    from freqact import codecs
+    from freqact.engine.layouts import TokenLayout
+
+    division = codecs.get("division", block=block, bits=bits, backend=backend)
+    return TokenLayout(division, *layout.split("/"))
+
+
+@torch.library.custom_op("freqact::layout_encode", mutates_args=())
+def layout_encode(x: torch.Tensor, layout: str, block: int, bits: int, seed: torch.Tensor,
+                  backend: str = "auto"
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`TokenLayout(division, *layout.split("/")).encode` as an op.
+
+    Args:
+        x: floating (M, T, F) token view.
+        layout: one of LAYOUTS; block, bits: division's B and Q; backend as in
+            `freqact.kernels.division_encode`.
+        seed: int64 scalar tensor: torch's generators are seeded with it for the call.
+
+    Returns:
+        (lfc, lo, step, codes): bf16 block means of the block view, bf16 (M, S) min and step
+        and uint8 (M, S, nbytes) codes of the stats view (S = F for `chan`, T for `tok`).
+    """
+    _views(tuple(x.shape), layout)  # checks layout
+    devices = [] if x.device.type == "cpu" else [x.device]
+    with torch.random.fork_rng(devices, device_type=x.device.type):
+        torch.manual_seed(int(seed) % 2**63)
+        p = layout_codec(layout, block, bits, backend).encode(x)
+    return p.lfc.lfc, p.quant.lo, p.quant.step, p.quant.codes
+
+
+@layout_encode.register_fake
+def _layout_encode_fake(x, layout, block, bits, seed, backend="auto"):
+    blocks, stats = _views(tuple(x.shape), layout)
+    lfc, quant = geometry(blocks, block), geometry(stats, None)
+    return (x.new_empty(lfc.lfc_shape, dtype=torch.bfloat16),
+            x.new_empty(quant.stat_shape, dtype=torch.bfloat16),
+            x.new_empty(quant.stat_shape, dtype=torch.bfloat16),
+            x.new_empty(quant.codes_shape(bits), dtype=torch.uint8))
+
+
+@torch.library.custom_op("freqact::layout_decode", mutates_args=())
+def layout_decode(lfc: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes: torch.Tensor,
+                  shape: list[int], dtype: torch.dtype, layout: str, block: int, bits: int,
+                  backend: str = "auto") -> torch.Tensor:
+    """`TokenLayout.decode` of `layout_encode`'s parts as an op: a contiguous (shape) (M, T, F)
+    tensor of dtype."""
+    from freqact.engine.layouts import LayoutPacked
+
+    blocks, stats = _views(tuple(shape), layout)
+    packed = LayoutPacked(LfcPacked(lfc, torch.Size(blocks), torch.float32, block),
+                          QuantPacked(lo, step, codes, torch.Size(stats), torch.float32, bits),
+                          None, torch.Size(shape), dtype)
+    return layout_codec(layout, block, bits, backend).decode(packed)
+
+
+@layout_decode.register_fake
+def _layout_decode_fake(lfc, lo, step, codes, shape, dtype, layout, block, bits,
+                        backend="auto"):
+    return lfc.new_empty(shape, dtype=dtype)
+
+
+@torch.library.custom_op("freqact::sdpa_flash_cpu", mutates_args=())
+def sdpa_flash_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   dropout_p: float = 0.0, is_causal: bool = False,
+                   attn_mask: torch.Tensor | None = None, scale: float | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`aten._scaled_dot_product_flash_attention_for_cpu` (output, logsumexp) without its
+    random-op tag, so the partitioner can recompute it in backward (`recompute_attention`)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    return out, lse
+
+
+@sdpa_flash_cpu.register_fake
+def _sdpa_flash_cpu_fake(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None,
+                         scale=None):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+
+
+_SDPA_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_SDPA_ARGS = ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale")
+
+
+def _recompute_attention(graph: torch.fx.Graph) -> None:
+    """Each CPU flash SDPA without dropout of a joint graph becomes `sdpa_flash_cpu`, tagged to
+    be recomputed in backward (see `recompute_attention`)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for node in graph.find_nodes(op="call_function", target=_SDPA_CPU):
+        args = dict(zip(_SDPA_ARGS, node.args)) | dict(node.kwargs)
+        if args.get("dropout_p"):
+            continue
+        node.target = torch.ops.freqact.sdpa_flash_cpu.default
+        node.args = (*node.args[:3], args.get("dropout_p", 0.0), args.get("is_causal", False),
+                     args.get("attn_mask"), args.get("scale"))
+        node.kwargs = {}
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        node.meta["ac_graph_id"] = 0
+
+
+@functools.cache
+def recompute_attention():
+    """The joint-graph pass (`torch._inductor.config.joint_custom_pre_pass`) that recomputes
+    SDPA in backward: a `CustomGraphPass` (Inductor keys its caches on the pass's uuid), made on
+    first use (its module imports Inductor).
+
+    The partitioner then saves SDPA's q, k, v instead of its output and logsumexp, and the
+    backward reruns the kernel on them, as eager's `attention.SdpaCall` does: with q, k, v
+    decoded, the recomputed logsumexp matches the decoded scores (an error on q or k no longer
+    enters exponentially), so q, k, v can be coded. The aten op itself carries a random-op tag
+    (dropout): recomputing it made the partitioner save an RNG state under a name the
+    saved-tensor hook inlining could not find ("could not find saved tensor getitem_8 in
+    bw_g_inputs", torch 2.13), hence the untagged `sdpa_flash_cpu`.
+    """
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class RecomputeAttention(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            _recompute_attention(graph)
+
+        def uuid(self) -> str:
+            return "freqact.recompute_attention.1"
+
+    return RecomputeAttention()

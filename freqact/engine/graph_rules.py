@@ -1,0 +1,188 @@
+"""The graph-level rule: how a tensor a compiled forward saves is held, from the graphs alone.
+
+Inside a compiled graph nothing says which module runs; what AOTAutograd gives the pack hook is
+the saved (fake) tensor and its node: the forward graph around it (what made it, what reads it)
+and the backward graph (which op reads it there, in which argument). `route` reads those to
+give each saved tensor the eager routes' layout where it can tell (docs/ARCHITECTURE.md,
+"Compiled models"):
+
+- boolean masks: 1 bit each ("mask"); tensors under the threshold, non-floating: kept;
+- SDPA's saves: where the backward reruns the CPU flash kernel (`graph_ops.
+  recompute_attention`: the graph saves q, k, v, not out and logsumexp), q, k, v in
+  `feat/chan` on (N * heads, T, d), as eager's `attention.SdpaCall`; elsewhere the backward
+  op's `query`, `key`, `logsumexp` kept, `value` and `out` in `feat/chan` (eager's route where
+  the kernel cannot be rerun: its backward computes exp(q k^T - logsumexp), so an error on q
+  or k enters exponentially), kept under a mask, is_causal or dropout. A kept q or k that is a strided view (of the qkv
+  Linear's output, whose v part is coded) is held as a contiguous copy ("kept copy"): as a
+  view it would keep the whole qkv buffer alive;
+- token tensors (N, T, F), and rank-2 (N * T, F) views of them (aten's Linear saves its input
+  and the GELU input so, as `addmm`/`mm` operands): `tile/tok` for a LayerNorm's input or
+  normalised output (min/step per token), else `tile/chan` (Linear and activation inputs);
+  the token shape of a rank-2 tensor is read from the view it was made from or is read as;
+  rank-2 tensors without one (BatchNorm1d inputs, a classifier's (N, F) input) are kept;
+- rank 4 and 5 maps, and a Conv1d's rank-3 input or output: `division` as saved (the map
+  rule; a ReLU output also keeps its signs as 1 bit, "relu-mask");
+- per-token statistics (N, T, 1) (LayerNorm's mean and rstd: its gradient scales with rstd) and
+  whatever would not get smaller packed are kept.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from freqact.engine import graph_ops
+from freqact.engine.layouts import packed_nbytes, token_view
+
+__all__ = ["GraphRoute", "route"]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+                    torch.ops.aten._unsafe_view.default})
+_NORM_STATS = frozenset({torch.ops.aten.var_mean.correction, torch.ops.aten.rsqrt.default,
+                         torch.ops.aten.native_layer_norm.default})
+_CONVOLUTION = torch.ops.aten.convolution.default
+_SDPA_OPS = ("scaled_dot_product", "freqact::sdpa_flash_cpu")
+_SDPA_CODED = frozenset({"value", "out"})
+_RECOMPUTED_CODED = frozenset({"query", "key", "value"})
+TOKENS, FEATURES, ATTENTION = "tile/tok", "tile/chan", "feat/chan"
+
+
+@dataclass(frozen=True)
+class GraphRoute:
+    """How one saved tensor is held.
+
+    Attributes:
+        name: the meter's route: "kept", "mask", "division", "relu-mask" or
+            "division <layout>".
+        layout: a `graph_ops.LAYOUTS` name, "" for the map rule.
+        view: the (M, T, F) token view the layout reads (None for the map rule).
+    """
+
+    name: str
+    layout: str = ""
+    view: tuple[int, ...] | None = None
+
+
+KEPT, COPY, MASK = GraphRoute("kept"), GraphRoute("kept copy"), GraphRoute("mask")
+
+
+def route(spec, t: torch.Tensor, context: dict | None) -> GraphRoute:
+    """The route of saved tensor t (see the module docstring).
+
+    Args:
+        spec: the block's `compiled.GraphCodec`.
+        t: the saved (fake) tensor.
+        context: AOTAutograd's `_node` (t's node in the forward graph) and `_bw_graph`, or None.
+    """
+    if spec.name != "division" or t.layout != torch.strided or t.numel() < spec.threshold:
+        return KEPT
+    if t.dtype == torch.bool:
+        return MASK
+    if t.dtype not in _FLOATS:
+        return KEPT
+    node = context.get("_node") if context else None
+    chosen = _chosen(t, node, context)
+    return chosen if chosen.name.startswith("kept") or _smaller(spec, t, chosen) else KEPT
+
+
+def _chosen(t: torch.Tensor, node, context) -> GraphRoute:
+    sdpa = _sdpa_use(node, context)
+    if sdpa is not None:
+        if sdpa and t.dim() == 4:
+            return _layout(ATTENTION, token_view(tuple(t.shape), heads=True))
+        return COPY if t.dim() == 4 and not t.is_contiguous() else KEPT
+    if t.dim() == 3 and _convolution_map(node):
+        return GraphRoute("division")
+    if t.dim() in (2, 3):
+        if t.shape[-1] == 1:  # per-token statistics (LayerNorm's mean, rstd): kept exact
+            return KEPT
+        view = _token_shape(t, node)
+        if view is None:
+            return KEPT
+        return _layout(TOKENS if _is_norm(node) else FEATURES, view)
+    if t.dim() in (4, 5):
+        if getattr(node, "target", None) is torch.ops.aten.relu.default:
+            return GraphRoute("relu-mask")
+        return GraphRoute("division")
+    return KEPT
+
+
+def _layout(layout: str, view: tuple[int, ...]) -> GraphRoute:
+    return GraphRoute(f"division {layout}", layout, tuple(view))
+
+
+def _smaller(spec, t: torch.Tensor, chosen: GraphRoute) -> bool:
+    """Whether the packed form holds fewer bytes than t (1-element maps do not: 7 B vs 4)."""
+    codec = graph_ops.layout_codec(chosen.layout or FEATURES, spec.block, spec.bits,
+                                   spec.backend)
+    codec, shape = (codec, chosen.view) if chosen.layout else (codec.division, tuple(t.shape))
+    n = packed_nbytes(codec, shape)
+    return n is not None and n < t.numel() * t.element_size()
+
+
+def _val(node) -> torch.Tensor | None:
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _token_shape(t: torch.Tensor, node) -> tuple[int, ...] | None:
+    """(N, T, F) of a token tensor: t's own shape at rank 3, else the rank-3 shape a rank-2
+    (N * T, F) tensor was viewed from (a Linear input) or is viewed as (an `addmm` output read
+    by GELU), None when the graph shows none."""
+    if t.dim() == 3:
+        return tuple(t.shape)
+    if node is None:
+        return None
+    near = [node.args[0]] if node.target in _VIEWS and node.args else []
+    near += [user for user in node.users if user.target in _VIEWS]
+    for other in near:
+        value = _val(other)
+        if (value is not None and value.dim() == 3 and value.numel() == t.numel()
+                and value.shape[-1] == t.shape[-1]):
+            return tuple(value.shape)
+    return None
+
+
+def _convolution_map(node) -> bool:
+    """Whether a rank-3 node is a Conv1d's (N, C, L) input or output (maps, not tokens)."""
+    return node is not None and (node.target is _CONVOLUTION or any(
+        user.target is _CONVOLUTION for user in node.users))
+
+
+def _is_norm(node) -> bool:
+    """Whether node is a LayerNorm's input (read by var_mean) or its normalised output
+    ((x - mean) * rstd, a product with an rsqrt)."""
+    if node is None:
+        return False
+    if any(user.target in _NORM_STATS for user in node.users):
+        return True
+    return node.target is torch.ops.aten.mul.Tensor and any(
+        isinstance(a, torch.fx.Node) and a.target in _NORM_STATS for a in node.args)
+
+
+def _sdpa_reads(node, graph) -> list[tuple[str, dict, set[str]]]:
+    """(op name, arguments by name, the names node is passed as) of each SDPA op reading node
+    in backward: SDPA's backward, and its forward where it is recomputed there."""
+    inputs = [n for n in graph.find_nodes(op="placeholder") if n.name == node.name]
+    reads = []
+    for user in (u for n in inputs for u in n.users):
+        schema = getattr(user.target, "_schema", None)
+        if schema is not None and any(name in schema.name for name in _SDPA_OPS):
+            args = {a.name: v for a, v in zip(schema.arguments, user.args)} | dict(user.kwargs)
+            reads.append((schema.name, args, {name for name, v in args.items() if v in inputs}))
+    return reads
+
+
+def _sdpa_use(node, context) -> bool | None:
+    """None when no SDPA op reads node in backward; else whether it may be coded: q, k, v where
+    the backward recomputes the forward from them (`graph_ops.recompute_attention`), else
+    `value` and `out` without a mask, is_causal or dropout."""
+    graph = context.get("_bw_graph") if context else None
+    reads = _sdpa_reads(node, graph) if node is not None and graph is not None else []
+    if not reads:
+        return None
+    if any(name.endswith("sdpa_flash_cpu") for name, _, _ in reads):
+        return all(roles <= _RECOMPUTED_CODED for _, _, roles in reads)
+    return all(roles <= _SDPA_CODED and not args.get("is_causal") and not args.get("dropout_p")
+               and args.get("attn_mask") is None for _, args, roles in reads)
