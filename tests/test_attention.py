@@ -93,6 +93,38 @@ def test_gradient_is_attention_at_the_decoded_point():
         torch.testing.assert_close(g, h.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_one_backward_decodes_each_input_once_and_reruns_the_kernel_once(monkeypatch):
+    # q, k, v are unpacked by autograd and read again by the recomputation; out and logsumexp
+    # come from one kernel call: per backward 3 decodes and 1 forward kernel per SDPA call, also
+    # on a second backward over a retained graph
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+                Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    decodes = []
+    real = TokenLayout.decode
+    monkeypatch.setattr(TokenLayout, "decode", lambda self, p: decodes.append(1) or real(self, p))
+    q, k, v = _qkv(3)
+    model = Attend(is_causal=True)
+    with freqact.compress(model, "division"):
+        out = model(q, k, v)
+    with Count():
+        out.sum().backward(retain_graph=True)
+        assert (len(decodes), Count.calls) == (3, 1)
+        first = [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        out.sum().backward()
+    assert (len(decodes), Count.calls) == (6, 2)
+    assert all(torch.equal(a, t.grad) for a, t in zip(first, (q, k, v)))
+
+
 def test_bytes_are_the_packed_forms_and_nothing_for_out_and_logsumexp():
     q, k, v = _qkv()
     with freqact.compress(Attend(is_causal=True), "division") as meter:

@@ -76,7 +76,9 @@ class SdpaCall:
         self.shapes = {r: tuple(a.shape) for r, a in zip(ROLES, (q, k, v))
                        if isinstance(a, torch.Tensor)}
         self.packed: dict[str, LayoutPacked] = {}
-        self.decoded_refs: dict[str, weakref.ref] = {}
+        # this backward's decoded q, k, v and recomputed out, lse, and the roles unpacked so far
+        self._values: dict[str, torch.Tensor] = {}
+        self._taken: set[str] = set()
         self.inputs = {r: SdpaInput(division, self, r) for r in ROLES}
         self.inputs_codec = self.inputs["q"]
         self.mode = self._mode(q, k, v, kwargs, min_elements)
@@ -146,12 +148,42 @@ class SdpaCall:
         return all(r in self.packed for r in ROLES)
 
     def decoded(self, role: str) -> torch.Tensor:
-        """The decoded q, k or v of shape (N, heads, T, d) (the one backward holds, if alive)."""
-        ref = self.decoded_refs.get(role)
-        x = ref() if ref is not None else None
-        if x is None:
-            x = self.inputs[role].decode(self.packed[role])
-        return x.view(self.shapes[role])
+        """The decoded q, k or v, shaped (N, heads, T, d) (the math path's rerun inputs)."""
+        return self.inputs[role].decode(self.packed[role]).view(self.shapes[role])
+
+    def _round(self) -> set[str]:
+        """The roles one backward unpacks once each: the flash path's saves (q, k, v, and out
+        and logsumexp when recomputed), the math path's rerun inputs q, k, v."""
+        return set(ROLES) | {"out", "lse"} if self.mode == "flash" and self.complete else (
+            set(self.packed))
+
+    def unpack(self, role: str) -> torch.Tensor:
+        """q, k or v decoded (token view), or out or logsumexp recomputed, once per backward.
+
+        Each role is unpacked once per backward; the values are held from the first unpack of
+        the round to its last (all within the backward of the call's node), so the recomputation
+        reuses the decoded q, k, v and out and logsumexp share one kernel call. A role unpacked
+        again starts a new round (a second backward over a retained graph).
+        """
+        if role in self._taken:
+            self._taken, self._values = set(), {}
+        self._taken.add(role)
+        value = self._value(role)
+        if self._taken >= self._round():
+            self._taken, self._values = set(), {}
+        return value
+
+    def _value(self, role: str) -> torch.Tensor:
+        if role not in self._values:
+            if role in ROLES:
+                self._values[role] = TokenLayout.decode(self.inputs[role], self.packed[role])
+            else:
+                q, k, v = (self._value(r).view(self.shapes[r]) for r in ROLES)
+                with torch.no_grad():
+                    self._values["out"], self._values["lse"] = (
+                        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                            q, k, v, 0.0, self.causal, attn_mask=self.mask, scale=self.scale))
+        return self._values[role]
 
     def pack_inputs(self) -> int:
         """Pack q, k, v themselves (the math path saves none of them); returns their bytes."""
@@ -160,17 +192,10 @@ class SdpaCall:
             self.inputs[role].encode(x.reshape(token_view(tuple(x.shape), True)))
         return sum(p.nbytes for p in self.packed.values())
 
-    def recompute(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out, logsumexp) of the CPU flash kernel on the decoded q, k, v."""
-        q, k, v = (self.decoded(r) for r in ROLES)
-        with torch.no_grad():
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, self.causal, attn_mask=self.mask, scale=self.scale)
-
-
 class SdpaInput(TokenLayout):
     """q, k or v of one SDPA call in the `feat/chan` form; registers its packed form with the
-    call and remembers (weakly) what it decoded, so the recomputation decodes nothing twice."""
+    call, and decodes through the call (`SdpaCall.unpack`), so that one backward decodes each
+    once for its own unpack and the recomputation together."""
 
     def __init__(self, division: TokenLayout, call: SdpaCall, role: str) -> None:
         super().__init__(division.division)
@@ -182,9 +207,7 @@ class SdpaInput(TokenLayout):
         return packed
 
     def decode(self, packed: LayoutPacked) -> torch.Tensor:
-        x = super().decode(packed)
-        self.call.decoded_refs[self.role] = weakref.ref(x)
-        return x
+        return self.call.unpack(self.role)
 
 
 class RecomputedPacked:
@@ -210,5 +233,4 @@ class Recomputed(Codec):
         return RecomputedPacked(self.call, self.role)
 
     def decode(self, packed: RecomputedPacked) -> torch.Tensor:
-        out, lse = packed.call.recompute()
-        return out if packed.role == "out" else lse
+        return packed.call.unpack(packed.role)
