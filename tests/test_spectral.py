@@ -138,3 +138,22 @@ def test_fused_highpass_hands_overflowing_corners_to_the_edge_rule():
         assert cpu_dct.highpass(x, 4, 4) is None
     high = codecs.get("hfc", ratio=0.25).encode(x).pieces[0]
     assert bool(high.isfinite().all()) and float(high.abs().max()) <= 1e-6 * 3e38
+
+
+def test_lfc_corner_checks_finiteness_in_the_kernel_and_keeps_the_edge_rule():
+    # Ordinary maps: the checked C corner, the same bytes as lowpass_coefficients, no scaling.
+    # Maps near float32's top: their corner overflows, the kernel says so, the codec scales.
+    codec = codecs.get("lfc", ratio=0.25)
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(7))
+    packed = codec.encode(x)
+    assert packed.scale_exp == 0
+    assert torch.equal(packed.pieces[0], dct.lowpass_coefficients(x, codec.windows(x.shape)))
+    big = torch.full((1, 2, 16, 16), 3e38)
+    big[0, 1] = -3e38
+    if cpu_dct.available():
+        assert cpu_dct.dct_corner_checked(big, 4, 4)[1] is False
+        assert cpu_dct.dct_corner_checked(x, 4, 4)[1] is True
+    packed = codec.encode(big)
+    assert packed.scale_exp > 0 and bool(packed.pieces[0].isfinite().all())
+    torch.testing.assert_close(codec.decode(packed), dct.lowpass(big.double(), 0.25).float(),
+                               rtol=1e-5, atol=1e-5 * 3e38)

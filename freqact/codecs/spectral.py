@@ -103,6 +103,22 @@ def _unscaled(x: torch.Tensor, scale_exp: int) -> torch.Tensor:
     return torch.where(x.isfinite(), (x * 2.0**scale_exp).clamp(-top, top), x)
 
 
+def _lowpass_corner(maps: torch.Tensor, windows: tuple[int, ...]) -> tuple[torch.Tensor, int]:
+    """(the corner `windows` of each map's DCT, scale_exp) under the edge rule (`_scaled`): the
+    corner alone, without the full spectrum. float32 CPU maps take the C kernel, which checks the
+    coefficients' finiteness in cache (no second pass); non-finite ones go through `_scaled`.
+
+    Args:
+        maps: (N, C, *S), 1 <= len(S) = len(windows) <= 3.
+    """
+    dims = len(windows)
+    if maps.dtype == torch.float32 and _fast(maps, dims):
+        low, finite = cpu_dct.dct_corner_checked(_as_2d(maps, dims), *((1,) * (2 - dims) + windows))
+        if finite:
+            return low.view(*maps.shape[: maps.dim() - dims], *windows), 0
+    return _scaled(lambda m: dct.lowpass_coefficients(m, windows), maps)
+
+
 def _highpass(x: torch.Tensor, windows: tuple[int, ...]) -> torch.Tensor:
     """x - iDCT(the corner `windows` of DCT(x)) per map: the high-pass part, x's shape and dtype.
 
@@ -149,8 +165,7 @@ class _Spectral(Codec):
                 # No high band (ratio 1): an empty tensor holds only the dtype and device.
                 high = x.new_zeros(0) if windows == tuple(spatial) else _highpass(x, windows)
                 return SpectralPacked((high,), x.shape, windows, True)
-            # The corner alone, without the full spectrum.
-            low, scale_exp = _scaled(lambda m: dct.lowpass_coefficients(m, windows), as_maps(x))
+            low, scale_exp = _lowpass_corner(as_maps(x), windows)
             return SpectralPacked((low,), x.shape, windows, False, scale_exp)
 
     def decode(self, packed: SpectralPacked) -> torch.Tensor:

@@ -496,25 +496,37 @@ static void map_synthesis(const corner_plan *p, const float *restrict corner, fl
     mat_rows(p->dh_t, padded(wh), h, wh, r, w, w, out, w);
 }
 
-/* dst (maps, wh, ww) = the top-left wh x ww DCT coefficients of each (h, w) map of src. */
+/* Whether every one of n floats is finite. */
+static int all_finite(const float *x, int64_t n) {
+    int finite = 1;
+    for (int64_t i = 0; i < n; i++)
+        finite &= isfinite(x[i]) != 0;
+    return finite;
+}
+
+/* dst (maps, wh, ww) = the top-left wh x ww DCT coefficients of each (h, w) map of src.
+ * Returns 0; -1 when out of memory; 1 when dst is complete but holds a non-finite coefficient
+ * (checked while in cache: the caller's edge rule needs to know). */
 int freqact_dct_corner(int64_t maps, int64_t h, int64_t w, int64_t wh, int64_t ww,
                        const float *src, float *dst, int threads) {
     corner_plan p;
     if (make_corner_plan(&p, h, w, wh, ww, 1, 0))
         return -1;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
+    int failed = 0, overflow = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed, overflow)
     {
         float *s = malloc((size_t)(wh * w) * sizeof(float));
         failed = s == NULL;
 #pragma omp for schedule(dynamic, 8)
         for (int64_t m = 0; m < maps; m++)
-            if (s)
+            if (s) {
                 map_corner(&p, src + m * h * w, s, dst + m * wh * ww);
+                overflow |= !all_finite(dst + m * wh * ww, wh * ww);
+            }
         free(s);
     }
     free_corner_plan(&p);
-    return failed ? -1 : 0;
+    return failed ? -1 : overflow ? 1 : 0;
 }
 
 /* dst (maps, h, w) = the inverse DCT of each (wh, ww) corner of src, zeros elsewhere. */
@@ -570,8 +582,7 @@ int freqact_highpass(int64_t maps, int64_t h, int64_t w, int64_t wh, int64_t ww,
             const float *x = src + m * h * w;
             float *y = dst + m * h * w;
             map_corner(&p, x, r, c);
-            for (size_t k = 0; k < corner; k++)
-                overflow |= !isfinite(c[k]);
+            overflow |= !all_finite(c, (int64_t)corner);
             map_synthesis(&p, c, r, low);
             subtract(x, low, h * w, y);
         }

@@ -21,7 +21,8 @@ import torch
 
 from freqact.kernels import cpu
 
-__all__ = ["MAX_SIZE", "available", "band_energy", "dct2", "dct_corner", "highpass",
+__all__ = ["MAX_SIZE", "available", "band_energy", "dct2", "dct_corner", "dct_corner_checked",
+           "highpass",
            "idct_corner", "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("cpu_dct.c")
@@ -116,12 +117,18 @@ def dct2(x: torch.Tensor, inverse: bool = False, out: torch.Tensor | None = None
 
 def dct_corner(x: torch.Tensor, wh: int, ww: int) -> torch.Tensor:
     """The top-left (wh, ww) DCT coefficients of each map of x (..., h, w): (..., wh, ww)."""
+    return dct_corner_checked(x, wh, ww)[0]
+
+
+def dct_corner_checked(x: torch.Tensor, wh: int, ww: int) -> tuple[torch.Tensor, bool]:
+    """`dct_corner`'s coefficients and whether all of them are finite (checked in the kernel)."""
     x, maps, h, w = _check_maps("x", x)
     wh, ww = _check_window("wh", wh, h), _check_window("ww", ww, w)
     out = x.new_empty((*x.shape[:-2], wh, ww))
-    _status("dct_corner", _lib().freqact_dct_corner(maps, h, w, wh, ww, x.data_ptr(), out.data_ptr(),
-                                                    _threads()))
-    return out
+    status = _lib().freqact_dct_corner(maps, h, w, wh, ww, x.data_ptr(), out.data_ptr(), _threads())
+    if status != 1:
+        _status("dct_corner", status)
+    return out, status == 0
 
 
 def idct_corner(coeffs: torch.Tensor, h: int, w: int) -> torch.Tensor:
