@@ -551,11 +551,10 @@ int freqact_idct_corner(int64_t maps, int64_t h, int64_t w, int64_t wh, int64_t 
     return failed ? -1 : 0;
 }
 
-/* out = a - b over n floats (restrict: vectorised without a runtime overlap check). */
-static void subtract(const float *restrict a, const float *restrict b, int64_t n,
-                     float *restrict out) {
+/* y = x - y over n floats (restrict: vectorised without a runtime overlap check). */
+static void subtract_from(const float *restrict x, int64_t n, float *restrict y) {
     for (int64_t i = 0; i < n; i++)
-        out[i] = a[i] - b[i];
+        y[i] = x[i] - y[i];
 }
 
 /* dst (maps, h, w) = each map of src minus the inverse DCT of its own wh x ww corner: the
@@ -571,20 +570,22 @@ int freqact_highpass(int64_t maps, int64_t h, int64_t w, int64_t wh, int64_t ww,
 #pragma omp parallel num_threads(threads) reduction(| : failed, overflow)
     {
         prefault(dst, maps * h * w * (int64_t)sizeof(float));
-        const size_t corner = (size_t)(wh * ww), rows = (size_t)(wh * w);
-        float *scratch = malloc((corner + rows + (size_t)(h * w)) * sizeof(float));
+        /* the low-pass part is synthesised into dst itself and subtracted there, in cache (a
+         * scratch map for it cost as much again as both transforms, out of cache) */
+        const int64_t corner = wh * ww;
+        float *scratch = malloc((size_t)(corner + wh * w) * sizeof(float));
         failed = scratch == NULL;
 #pragma omp for schedule(dynamic, 8)
         for (int64_t m = 0; m < maps; m++) {
             if (!scratch || overflow)
                 continue;
-            float *c = scratch, *r = scratch + corner, *low = r + rows;
+            float *c = scratch, *r = scratch + corner;
             const float *x = src + m * h * w;
             float *y = dst + m * h * w;
             map_corner(&p, x, r, c);
-            overflow |= !all_finite(c, (int64_t)corner);
-            map_synthesis(&p, c, r, low);
-            subtract(x, low, h * w, y);
+            overflow |= !all_finite(c, corner);
+            map_synthesis(&p, c, r, y);
+            subtract_from(x, h * w, y);
         }
         free(scratch);
     }
