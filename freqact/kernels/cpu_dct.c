@@ -197,8 +197,7 @@ static void vec_mat_rows(const float *restrict s, int64_t s_stride, int64_t rows
     }
 }
 
-/* Columns [c0, cols) of one output row, scalar (fewer than LANES columns: a vector load there
- * could read past the last row of x). */
+/* Columns [c0, cols) of one output row, scalar (for tails of X taller than PANEL_ROWS). */
 static void row_tail(const float *restrict a, int64_t len, const float *restrict x,
                      int64_t x_stride, int64_t c0, int64_t cols, float *restrict y) {
     for (int64_t c = c0; c < cols; c++) {
@@ -209,20 +208,36 @@ static void row_tail(const float *restrict a, int64_t len, const float *restrict
     }
 }
 
+/* Tails of fewer than LANES columns (all of an 8 x 8 map's) are copied into a zero-padded panel
+ * of whole vectors (a vector load from X itself could read past its last row), when X has at
+ * most PANEL_ROWS rows: vector products there instead of scalar loops (8 x 8 synthesis 10.4 ->
+ * 7.2 ms per 98,304 maps, one thread). */
+#define PANEL_ROWS 64
+
 /* Y[k, :cols] = sum_i a[k * lda + i] * X[i, :cols] for k < m; X rows x_stride apart, Y rows
  * y_stride apart. */
 static void mat_rows(const float *restrict a, int64_t lda, int64_t m, int64_t len,
                      const float *restrict x, int64_t x_stride, int64_t cols, float *restrict y,
                      int64_t y_stride) {
-    const int64_t full = cols / LANES * LANES;
+    const int64_t full = cols / LANES * LANES, tail = cols - full;
+    /* worth the copy from a group of output rows on (the corners' 2-row products stay scalar) */
+    const int paneled = tail > 0 && len <= PANEL_ROWS && m >= GROUP;
+    float panel[PANEL_ROWS * LANES];
+    if (paneled)
+        for (int64_t i = 0; i < len; i++)
+            for (int64_t c = 0; c < LANES; c++)
+                panel[i * LANES + c] = c < tail ? x[i * x_stride + full + c] : 0.0f;
     for (int64_t k = 0; k < m; k += GROUP) {
         const int64_t n = m - k < GROUP ? m - k : GROUP;
         const float *ak = a + k * lda;
         float *yk = y + k * y_stride;
         for (int64_t c = 0; c < full; c += LANES)
             product_of_rows(ak, lda, n, len, x + c, x_stride, LANES, yk + c, y_stride);
-        for (int64_t r = 0; r < n; r++)
-            row_tail(ak + r * lda, len, x, x_stride, full, cols, yk + r * y_stride);
+        if (paneled)
+            product_of_rows(ak, lda, n, len, panel, LANES, tail, yk + full, y_stride);
+        else
+            for (int64_t r = 0; r < n && tail; r++)
+                row_tail(ak + r * lda, len, x, x_stride, full, cols, yk + r * y_stride);
     }
 }
 
