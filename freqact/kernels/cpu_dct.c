@@ -519,93 +519,72 @@ static int all_finite(const float *x, int64_t n) {
     return finite;
 }
 
-/* dst (maps, wh, ww) = the top-left wh x ww DCT coefficients of each (h, w) map of src.
- * Returns 0; -1 when out of memory; 1 when dst is complete but holds a non-finite coefficient
- * (checked while in cache: the caller's edge rule needs to know). */
-int freqact_dct_corner(int64_t maps, int64_t h, int64_t w, int64_t wh, int64_t ww,
-                       const float *src, float *dst, int threads) {
-    corner_plan p;
-    if (make_corner_plan(&p, h, w, wh, ww, 1, 0))
-        return -1;
-    int failed = 0, overflow = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed, overflow)
-    {
-        float *s = malloc((size_t)(wh * w) * sizeof(float));
-        failed = s == NULL;
-#pragma omp for schedule(dynamic, 8)
-        for (int64_t m = 0; m < maps; m++)
-            if (s) {
-                map_corner(&p, src + m * h * w, s, dst + m * wh * ww);
-                overflow |= !all_finite(dst + m * wh * ww, wh * ww);
-            }
-        free(s);
-    }
-    free_corner_plan(&p);
-    return failed ? -1 : overflow ? 1 : 0;
-}
-
-/* dst (maps, h, w) = the inverse DCT of each (wh, ww) corner of src, zeros elsewhere. */
-int freqact_idct_corner(int64_t maps, int64_t h, int64_t w, int64_t wh, int64_t ww,
-                        const float *src, float *dst, int threads) {
-    corner_plan p;
-    if (make_corner_plan(&p, h, w, wh, ww, 0, 1))
-        return -1;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
-    {
-        prefault(dst, maps * h * w * (int64_t)sizeof(float));
-        float *r = malloc((size_t)(wh * w) * sizeof(float));
-        failed = r == NULL;
-#pragma omp for schedule(dynamic, 8)
-        for (int64_t m = 0; m < maps; m++)
-            if (r)
-                map_synthesis(&p, src + m * wh * ww, r, dst + m * h * w);
-        free(r);
-    }
-    free_corner_plan(&p);
-    return failed ? -1 : 0;
-}
-
 /* y = x - y over n floats (restrict: vectorised without a runtime overlap check). */
 static void subtract_from(const float *restrict x, int64_t n, float *restrict y) {
     for (int64_t i = 0; i < n; i++)
         y[i] = x[i] - y[i];
 }
 
-/* dst (maps, h, w) = each map of src minus the inverse DCT of its own wh x ww corner: the
- * high-pass part, from the two corner transforms while the map is in cache (one read of src, one
- * write of dst). Returns 0; -1 when out of memory; 1 when a corner coefficient was not finite
- * (dst is then incomplete: the caller applies its edge rule). */
-int freqact_highpass(int64_t maps, int64_t h, int64_t w, int64_t wh, int64_t ww,
-                     const float *src, float *dst, int threads) {
+/* What `corner_maps` computes per map. */
+enum corner_job { CORNER, SYNTHESIS, HIGHPASS };
+
+/* One corner job over `maps` maps, in cache per map, OpenMP over maps:
+ * CORNER: src (maps, h, w) -> dst (maps, wh, ww), the top-left DCT coefficients;
+ * SYNTHESIS: src (maps, wh, ww) -> dst (maps, h, w), the inverse DCT of the corner (zeros
+ * elsewhere); HIGHPASS: src (maps, h, w) -> dst (maps, h, w), each map minus the inverse DCT of
+ * its own corner (the low-pass part is synthesised into dst itself and subtracted there: a
+ * scratch map for it cost as much again as both transforms, out of cache).
+ * Returns 0; -1 when out of memory; 1 when dst is complete but a corner coefficient was not
+ * finite (CORNER, HIGHPASS: the caller's edge rule needs to know). */
+static int corner_maps(enum corner_job job, int64_t maps, int64_t h, int64_t w, int64_t wh,
+                       int64_t ww, const float *src, float *dst, int threads) {
     corner_plan p;
-    if (make_corner_plan(&p, h, w, wh, ww, 1, 1))
+    if (make_corner_plan(&p, h, w, wh, ww, job != SYNTHESIS, job != CORNER))
         return -1;
+    const int64_t corner = wh * ww, in = job == SYNTHESIS ? corner : h * w;
+    const int64_t out = job == CORNER ? corner : h * w;
     int failed = 0, overflow = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed, overflow)
     {
-        prefault(dst, maps * h * w * (int64_t)sizeof(float));
-        /* the low-pass part is synthesised into dst itself and subtracted there, in cache (a
-         * scratch map for it cost as much again as both transforms, out of cache) */
-        const int64_t corner = wh * ww;
+        prefault(dst, maps * out * (int64_t)sizeof(float));
         float *scratch = malloc((size_t)(corner + wh * w) * sizeof(float));
         failed = scratch == NULL;
 #pragma omp for schedule(dynamic, 8)
         for (int64_t m = 0; m < maps; m++) {
-            if (!scratch || overflow)
+            if (!scratch)
                 continue;
-            float *c = scratch, *r = scratch + corner;
-            const float *x = src + m * h * w;
-            float *y = dst + m * h * w;
-            map_corner(&p, x, r, c);
-            overflow |= !all_finite(c, corner);
-            map_synthesis(&p, c, r, y);
-            subtract_from(x, h * w, y);
+            const float *x = src + m * in;
+            float *y = dst + m * out, *r = scratch + corner;
+            float *coeffs = job == CORNER ? y : scratch; /* where the corner is computed */
+            const float *c = job == SYNTHESIS ? x : coeffs;
+            if (job != SYNTHESIS) {
+                map_corner(&p, x, r, coeffs);
+                overflow |= !all_finite(coeffs, corner);
+            }
+            if (job != CORNER)
+                map_synthesis(&p, c, r, y);
+            if (job == HIGHPASS)
+                subtract_from(x, h * w, y);
         }
         free(scratch);
     }
     free_corner_plan(&p);
     return failed ? -1 : overflow ? 1 : 0;
+}
+
+int freqact_dct_corner(int64_t maps, int64_t h, int64_t w, int64_t wh, int64_t ww,
+                       const float *src, float *dst, int threads) {
+    return corner_maps(CORNER, maps, h, w, wh, ww, src, dst, threads);
+}
+
+int freqact_idct_corner(int64_t maps, int64_t h, int64_t w, int64_t wh, int64_t ww,
+                        const float *src, float *dst, int threads) {
+    return corner_maps(SYNTHESIS, maps, h, w, wh, ww, src, dst, threads);
+}
+
+int freqact_highpass(int64_t maps, int64_t h, int64_t w, int64_t wh, int64_t ww,
+                     const float *src, float *dst, int threads) {
+    return corner_maps(HIGHPASS, maps, h, w, wh, ww, src, dst, threads);
 }
 
 /* Per map: low[m] = sum of X^2 over the top-left wh x ww coefficients, high[m] = over the rest
