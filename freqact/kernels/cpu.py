@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from freqact.kernels.format import Geometry, as_maps, saturating_cast
+from freqact.kernels.format import Geometry, _check_part, as_maps, check_bits, saturating_cast
 
 __all__ = ["COMPILE_TIMEOUT_S", "TokenGeometry", "available", "decode", "encode", "library_path",
            "load_library", "loaded", "pack_codes", "pack_mask", "token_decode", "token_encode",
@@ -411,19 +411,25 @@ class TokenGeometry:
 
 @functools.lru_cache(maxsize=1024)  # a few shapes per model; every value checked once
 def _token_args(geom: TokenGeometry, bits: int, strides=(0, 0, 0, 0), out_stride: int = 0):
-    """The C array of cpu_division.c's T_* enum, every value range-checked."""
+    """The C array of cpu_division.c's T_* enum, every value range-checked.
+
+    Besides int64 range: bits in {1, 2, 4, 8} (the codes' row bytes follow from it), sizes and
+    extents positive, and every block's lfc index inside geom.lfc_shape (the C code indexes the
+    lfc with lfc_strides), so an inconsistent TokenGeometry is refused, never written past.
+    """
+    check_bits(bits)
+    m, h, w, f = geom.panel
+    per_sequence = math.prod(geom.lfc_shape[1:])
+    last = sum((c - 1) * s for c, s in zip(geom.counts, geom.lfc_strides))
+    if (min(h, w, f, *geom.extents) < 1 or m < 0 or geom.lfc_shape[0] != m
+            or min(geom.lfc_strides) < 0 or last >= per_sequence):
+        raise ValueError(f"geom: inconsistent token geometry {geom}")
     codes = geom.codes_shape(bits)
     _c_int64("x.numel()", math.prod(geom.panel))
     _c_int64("codes", math.prod(codes))
     values = (*geom.panel, *geom.extents, *geom.counts, *geom.lfc_strides, int(geom.chan),
               codes[2], *strides, out_stride)
     return (ctypes.c_int64 * len(values))(*(_c_int64("token geometry", v) for v in values))
-
-
-def _check_part(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    if t.dtype != dtype or tuple(t.shape) != shape or t.device.type != "cpu":
-        raise ValueError(f"packed.{name}: expected {dtype} {shape} on the CPU, got {t.dtype} "
-                         f"{tuple(t.shape)} on {t.device}")
 
 
 def token_encode(x: torch.Tensor, geom: TokenGeometry, bits: int, noise: torch.Tensor | None,
@@ -443,8 +449,12 @@ def token_encode(x: torch.Tensor, geom: TokenGeometry, bits: int, noise: torch.T
         (*quant_shape[:2], ceil(quant_shape[2] * bits / 8)).
     """
     lib = _lib()
-    if x.dtype != torch.float32 or tuple(x.shape) != geom.panel:
-        raise ValueError(f"x: expected float32 of shape {geom.panel}, got {x.dtype} {tuple(x.shape)}")
+    if x.dtype != torch.float32 or tuple(x.shape) != geom.panel or x.device.type != "cpu":
+        raise ValueError(f"x: expected float32 of shape {geom.panel} on the CPU, got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+    if noise is not None and (tuple(noise.shape) != geom.quant_shape or noise.device.type != "cpu"):
+        raise ValueError(f"noise: expected shape {geom.quant_shape} on the CPU, got "
+                         f"{tuple(noise.shape)} on {noise.device}")
     args = _token_args(geom, bits, x.stride())
     maps = geom.quant_shape[:2]
     lfc = torch.empty(geom.lfc_shape, dtype=torch.bfloat16)
@@ -479,12 +489,13 @@ def token_decode(lfc: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes:
     for name, t, dtype, shape in (("lfc", lfc, torch.bfloat16, geom.lfc_shape),
                                   ("lo", lo, torch.bfloat16, maps),
                                   ("step", step, torch.bfloat16, maps),
-                                  ("codes", codes, torch.uint8, geom.codes_shape(bits))):
-        _check_part(name, t, dtype, shape)
+                                  ("codes", codes, torch.uint8, geom.codes_shape(check_bits(bits)))):
+        _check_part(name, t, dtype, list(shape), torch.device("cpu"))
     m, h, w, f = geom.panel
     if (out.dtype != torch.float32 or out.dim() != 3 or out.shape[0] != m or out.shape[1] < h * w
-            or out.shape[2] != f or out.stride()[1:] != (f, 1)):
-        raise ValueError(f"out: expected float32 (M, >= {h * w}, {f}) panels, got "
+            or out.shape[2] != f or out.stride()[1:] != (f, 1) or out.device.type != "cpu"
+            or (m > 1 and out.stride(0) < h * w * f)):  # overlapping panels would race
+        raise ValueError(f"out: expected float32 (M, >= {h * w}, {f}) disjoint CPU panels, got "
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
     args = _token_args(geom, bits, out_stride=out.stride(0))
     parts = [t.contiguous() for t in (lfc, lo, step, codes)]

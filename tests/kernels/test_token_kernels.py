@@ -159,6 +159,21 @@ def test_bad_noise_and_mismatched_parts_are_refused():
     geom = fused._geometry((2, 20, 16))[0]
     with pytest.raises(ValueError, match="^x: expected float32"):
         cpu.token_encode(x.double(), geom, 2, None, 0)
-    with pytest.raises(ValueError, match="^out: expected float32"):
-        cpu.token_decode(packed.lfc.lfc, packed.quant.lo, packed.quant.step, packed.quant.codes,
-                         geom, 2, torch.empty(2, 20, 16).transpose(1, 2))
+    parts = (packed.lfc.lfc, packed.quant.lo, packed.quant.step, packed.quant.codes)
+    with pytest.raises(ValueError, match="^out: expected float32"):  # right shape, wrong strides
+        cpu.token_decode(*parts, geom, 2, torch.empty(2, 16, 20).transpose(1, 2))
+    with pytest.raises(ValueError, match="^out: expected float32"):  # panels overlapping
+        cpu.token_decode(*parts, geom, 2, torch.empty(20, 16).expand(2, 20, 16))
+    # values the C code indexes with are refused before the call: bits (the codes' row bytes)
+    # and a geometry whose block indices leave its lfc
+    with pytest.raises(ValueError, match="^bits"):
+        cpu.token_decode(*parts, geom, 3, torch.empty(2, 20, 16))
+    panel = x.view(geom.panel)
+    assert len(cpu.token_encode(panel, geom, 2, None, 0)) == 4  # the calls below differ in one value
+    with pytest.raises(ValueError, match="^bits"):
+        cpu.token_encode(panel, geom, 3, None, 0)
+    bad = dataclasses.replace(geom, lfc_strides=tuple(s + 1 for s in geom.lfc_strides))
+    with pytest.raises(ValueError, match="^geom: inconsistent"):
+        cpu.token_encode(panel, bad, 2, None, 0)
+    with pytest.raises(ValueError, match="^noise: expected shape"):
+        cpu.token_encode(panel, geom, 2, torch.rand(2, 20, 16), 0)
