@@ -69,23 +69,25 @@ def test_exact_is_bit_identical_and_division_error_is_small(kwargs):
     assert _rel(fine, plain) < 0.05  # the error is the codec's: it shrinks with its step
 
 
-def test_gradient_is_attention_at_the_decoded_point():
+def _spy_decoded(monkeypatch) -> dict:
+    """role -> the (N, heads, T, d) q, k, v the codec decoded (filled as backward decodes)."""
+    decoded, real = {}, attention.SdpaCall._decode
+
+    def spy(self, role):
+        x = real(self, role)
+        decoded[role] = x.view(self.shapes[role]).detach().clone()
+        return x
+    monkeypatch.setattr(attention.SdpaCall, "_decode", spy)
+    return decoded
+
+
+def test_gradient_is_attention_at_the_decoded_point(monkeypatch):
     # out and logsumexp recomputed from the decoded q, k, v: backward is exactly the gradient of
     # attention evaluated at (q_hat, k_hat, v_hat), the error model of every other route
     q, k, v = _qkv(1)
     grad = torch.randn(2, 3, 48, 16, generator=torch.Generator().manual_seed(2))
-    decoded = {}
-    real_decode = attention.SdpaInput.decode
-
-    def spy(self, packed):
-        x = real_decode(self, packed)
-        decoded[self.role] = x.view(self.call.shapes[self.role]).detach().clone()
-        return x
-    attention.SdpaInput.decode = spy
-    try:
-        got, _ = _input_grads(Attend(is_causal=True), q, k, v, "division", grad)
-    finally:
-        attention.SdpaInput.decode = real_decode
+    decoded = _spy_decoded(monkeypatch)
+    got, _ = _input_grads(Attend(is_causal=True), q, k, v, "division", grad)
     hats = [decoded[r].requires_grad_() for r in attention.ROLES]
     assert not torch.equal(hats[0], q)
     F.scaled_dot_product_attention(*hats, is_causal=True).backward(grad)
@@ -258,19 +260,13 @@ def test_math_path_gradient_is_attention_at_the_decoded_point(case, monkeypatch)
     model = BiasAttend(**_MATH_CASES[case])
     q, k, v = _qkv(5, (4, 3, 48, 16))
     grad = torch.randn(4, 3, 48, 16, generator=torch.Generator().manual_seed(6))
-    decoded, noises = {}, []
-    real_decode, real_encode = attention.SdpaInput.decode, sdpa_math.MathSaves.encode
-
-    def spy_decode(self, packed):
-        x = real_decode(self, packed)
-        decoded[self.role] = x.view(self.call.shapes[self.role]).detach().clone()
-        return x
+    decoded, noises = _spy_decoded(monkeypatch), []
+    real_encode = sdpa_math.MathSaves.encode
 
     def spy_encode(self, x):
         if x.grad_fn is None:  # the forward's dropout noise, as plain autograd saved it
             noises.append(x.detach().clone())
         return real_encode(self, x)
-    monkeypatch.setattr(attention.SdpaInput, "decode", spy_decode)
     monkeypatch.setattr(sdpa_math.MathSaves, "encode", spy_encode)
     got, _, _ = _grads_with_bias(model, q, k, v, "division", grad)
     assert len(noises) == (1 if model.dropout else 0)
@@ -363,14 +359,7 @@ def test_math_path_under_autocast_reruns_on_the_decoded_float32_inputs(monkeypat
     # v_hat, and the forward graph's casts round the gradients to bfloat16 on the way back
     model = BiasAttend()
     q, k, v = _qkv(6, (4, 3, 48, 16))
-    decoded = {}
-    real_decode = attention.SdpaInput.decode
-
-    def spy_decode(self, packed):
-        x = real_decode(self, packed)
-        decoded[self.role] = x.view(self.call.shapes[self.role]).detach().clone()
-        return x
-    monkeypatch.setattr(attention.SdpaInput, "decode", spy_decode)
+    decoded = _spy_decoded(monkeypatch)
     with torch.autocast("cpu", dtype=torch.bfloat16), freqact.compress(model, "division"):
         out = model(q, k, v)
     assert out.dtype == torch.bfloat16
@@ -404,3 +393,32 @@ def test_held_mask_keeps_the_values_in_the_fewest_bytes():
     mask.add_(1)
     with pytest.raises(RuntimeError, match="modified in place"):
         held.rebuild()
+
+
+@pytest.mark.parametrize("math", [False, True])
+def test_a_call_is_freed_with_its_graph_without_the_cycle_collector(monkeypatch, math):
+    # the routes' codecs refer back to their SdpaCall; once backward starts the call drops them,
+    # so reference counting frees it (and its packed q, k, v) when the graph goes
+    import gc
+    import weakref
+
+    calls = []
+    real = attention.SdpaCall.__init__
+
+    def init(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        calls.append(weakref.ref(self))
+    monkeypatch.setattr(attention.SdpaCall, "__init__", init)
+    q, k, v = _qkv(7)
+    model = BiasAttend() if math else Attend(is_causal=True)
+    gc.collect()
+    gc.disable()
+    try:
+        with freqact.compress(model, "division") as meter:
+            out = model(q, k, v)
+        assert meter.by_route()["recomputed"]["count"] >= 2  # the recomputed path was taken
+        out.sum().backward()
+        del out
+        assert calls and all(ref() is None for ref in calls)
+    finally:
+        gc.enable()

@@ -79,8 +79,9 @@ class SdpaCall:
         # this backward's decoded q, k, v and recomputed out, lse, and the roles unpacked so far
         self._values: dict[str, torch.Tensor] = {}
         self._taken: set[str] = set()
+        self.layout = TokenLayout(division.division)  # feat/chan: how q, k, v are packed
+        # the routes' codecs (they refer back to this call; dropped at backward, `_release`)
         self.inputs = {r: SdpaInput(division, self, r) for r in ROLES}
-        self.inputs_codec = self.inputs["q"]
         self.mode = self._mode(q, k, v, kwargs, min_elements)
         self.outputs = {r: Recomputed(self, r) for r in ("out", "lse")}
         self.math = None
@@ -96,7 +97,7 @@ class SdpaCall:
         if q.numel() < min_elements or any(_same_view(a, b) for a, b in ((q, k), (q, v), (k, v))):
             return False
         # all three packed or none (the routes' own size check must not keep one of them)
-        return all(packed_nbytes(self.inputs_codec, token_view(tuple(a.shape), True))
+        return all(packed_nbytes(self.layout, token_view(tuple(a.shape), True))
                    < a.numel() * a.element_size() for a in (q, k, v))
 
     def _mode(self, q, k, v, kwargs: dict, min_elements: int) -> str | None:
@@ -147,36 +148,45 @@ class SdpaCall:
         """q, k and v were all packed (then the output and logsumexp can be recomputed)."""
         return all(r in self.packed for r in ROLES)
 
+    def _decode(self, role: str) -> torch.Tensor:
+        """q, k or v decoded, in the token view it was packed in."""
+        return self.layout.decode(self.packed[role])
+
     def decoded(self, role: str) -> torch.Tensor:
         """The decoded q, k or v, shaped (N, heads, T, d) (the math path's rerun inputs)."""
-        return self.inputs[role].decode(self.packed[role]).view(self.shapes[role])
+        return self._decode(role).view(self.shapes[role])
 
-    def _round(self) -> set[str]:
-        """The roles one backward unpacks once each: the flash path's saves (q, k, v, and out
-        and logsumexp when recomputed), the math path's rerun inputs q, k, v."""
-        return set(ROLES) | {"out", "lse"} if self.mode == "flash" and self.complete else (
-            set(self.packed))
+    def release(self) -> None:
+        """Drop what only the forward's routing needs: the routes and their codecs, which refer
+        back to this call. Called when backward starts, so that the call is freed with its graph
+        by reference counting (the cycle otherwise kept every call's packed q, k, v until the
+        cyclic garbage collector ran)."""
+        self.routes = self.inputs = self.outputs = None
+        if self.math is not None:
+            self.math.codecs, self.math = None, None
 
     def unpack(self, role: str) -> torch.Tensor:
-        """q, k or v decoded (token view), or out or logsumexp recomputed, once per backward.
+        """q, k or v decoded (token view), or out or logsumexp recomputed, once per backward
+        (the flash path).
 
-        Each role is unpacked once per backward; the values are held from the first unpack of
-        the round to its last (all within the backward of the call's node), so the recomputation
-        reuses the decoded q, k, v and out and logsumexp share one kernel call. A role unpacked
-        again starts a new round (a second backward over a retained graph).
+        Each of the five saves is unpacked once per backward; the values are held from the
+        first unpack of the round to its last (all within the backward of the call's node), so
+        the recomputation reuses the decoded q, k, v and out and logsumexp share one kernel
+        call. A role unpacked again starts a new round (a second backward over a retained graph).
         """
+        self.release()
         if role in self._taken:
             self._taken, self._values = set(), {}
         self._taken.add(role)
         value = self._value(role)
-        if self._taken >= self._round():
+        if self._taken >= (set(ROLES) | {"out", "lse"} if self.complete else set(self.packed)):
             self._taken, self._values = set(), {}
         return value
 
     def _value(self, role: str) -> torch.Tensor:
         if role not in self._values:
             if role in ROLES:
-                self._values[role] = TokenLayout.decode(self.inputs[role], self.packed[role])
+                self._values[role] = self._decode(role)
             else:
                 q, k, v = (self._value(r).view(self.shapes[r]) for r in ROLES)
                 with torch.no_grad():
@@ -189,7 +199,7 @@ class SdpaCall:
         """Pack q, k, v themselves (the math path saves none of them); returns their bytes."""
         for role, ref in zip(ROLES, self.refs):
             x = ref()
-            self.inputs[role].encode(x.reshape(token_view(tuple(x.shape), True)))
+            self.packed[role] = self.layout.encode(x.reshape(token_view(tuple(x.shape), True)))
         return sum(p.nbytes for p in self.packed.values())
 
 class SdpaInput(TokenLayout):

@@ -109,7 +109,7 @@ class MathSaves:
         self.noise: tuple[int, int] | None = None  # (save index, nonzero count) of the noise
         self.cache: list | None = None  # the rerun's saves not unpacked yet
         # route name -> codec: the first save (labelled as the flash path's q, k, v), the others
-        self.codecs = {"attention": MathSave(self, f"{call.inputs_codec.name} feat/chan"),
+        self.codecs = {"attention": MathSave(self, f"{call.layout.name} feat/chan"),
                        "recomputed": MathSave(self, "recomputed")}
 
     def encode(self, x: torch.Tensor) -> MathPacked:
@@ -129,6 +129,7 @@ class MathSaves:
     def unpack(self, index: int) -> torch.Tensor:
         """Save `index` as the rerun on the decoded q, k, v saved it (one rerun per backward)."""
         if self.cache is None or self.cache[index] is None:
+            self.call.release()
             self.cache = self._rerun()
         x, self.cache[index] = self.cache[index], None
         return x
