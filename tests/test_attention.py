@@ -129,8 +129,9 @@ def test_one_backward_decodes_each_input_once_and_reruns_the_kernel_once(monkeyp
 
 def test_bytes_are_the_packed_forms_and_nothing_for_out_and_logsumexp():
     q, k, v = _qkv()
-    with freqact.compress(Attend(is_causal=True), "division") as meter:
-        Attend(is_causal=True)(q, k, v)
+    model = Attend(is_causal=True)
+    with freqact.compress(model, "division") as meter:
+        model(q, k, v)
     routes = meter.by_route()
     codec = TokenLayout(codecs.get("division"))
     assert routes["division feat/chan"]["saved_bytes"] == 3 * packed_nbytes(codec, (6, 48, 16))
@@ -342,15 +343,35 @@ def test_zoo_swin_compresses_over_8x_and_its_gradient_stays_bounded():
 
 
 @pytest.mark.parametrize("kwargs", [{"is_causal": True}, {"dropout_p": 0.2}])
-def test_two_calls_with_the_same_arguments_are_two_units(kwargs):
-    # the same q, k, v (alive, equal argument tuples): the tracker's call number tells them apart
+def test_two_calls_with_the_same_arguments_are_two_units(kwargs, monkeypatch):
+    # the same q, k, v (alive, equal argument tuples): the tracker's call number tells them apart,
+    # and each call's backward reads its own decoded q, k, v (one unit for both would decode the
+    # second call's packing twice)
     q, k, v = _qkv(4, (2, 3, 48, 16))
     model = Attend(**kwargs)
+    decoded, real = {}, attention.SdpaCall._decode
+
+    def spy(self, role):
+        x = real(self, role)
+        decoded.setdefault(self.call_id, {})[role] = x.view(self.shapes[role]).detach().clone()
+        return x
+    monkeypatch.setattr(attention.SdpaCall, "_decode", spy)
     with freqact.compress(model, "division") as meter:
         out = model(q, k, v) + model(q, k, v)
     out.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
     assert meter.by_route()["division feat/chan"]["count"] == (2 if kwargs.get("dropout_p") else 6)
+    if kwargs.get("dropout_p"):
+        return  # the math path's rerun checks its saves itself (a merged unit raises there)
+    assert len(decoded) == 2
+    want = [torch.zeros_like(t) for t in (q, k, v)]
+    for hats in decoded.values():
+        hats = [hats[r].requires_grad_() for r in attention.ROLES]
+        F.scaled_dot_product_attention(*hats, **kwargs).sum().backward()
+        for w, h in zip(want, hats):
+            w += h.grad
+    for t, w in zip((q, k, v), want):
+        torch.testing.assert_close(t.grad, w, rtol=1e-4, atol=1e-5)
 
 
 def test_math_path_under_autocast_reruns_on_the_decoded_float32_inputs(monkeypatch):
