@@ -142,6 +142,19 @@ def test_graph_hooks_traced_round_trip():
     assert torch.equal(graph(small), small)
 
 
+def test_a_torch_without_the_hook_context_is_refused_not_coded_blind(monkeypatch):
+    # without the graph context the rule cannot tell q, k, logsumexp or ReLU outputs apart
+    from torch._functorch._aot_autograd import graph_compile
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from freqact.engine import compiled
+
+    pack, _ = compiled.graph_hooks(compiled.GraphCodec("division", 4, 2, BACKEND))
+    monkeypatch.delattr(graph_compile, "_get_saved_tensor_hook_context")
+    with pytest.raises(RuntimeError, match="^compress: torch .* does not give saved-tensor hooks"):
+        make_fx(pack, tracing_mode="fake")(torch.randn(2, 8, 16, 16))
+
+
 def test_graph_hooks_on_real_tensors_use_the_eager_codec():
     # Where a graph breaks, autograd calls the same hooks on real tensors (no graph context).
     from freqact.engine import compiled

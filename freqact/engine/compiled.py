@@ -179,11 +179,23 @@ def _traced_pack(spec: GraphCodec, t: torch.Tensor, context: dict | None):
 
 def _hook_context() -> dict | None:
     """The graph context AOTAutograd gives the hooks for the saved node being traced (a
-    torch-internal API: `_node`, `_fw_graph`, `_bw_graph`; None without it)."""
+    torch-internal API: `_node`, `_fw_graph`, `_bw_graph`); None when the hooks are traced
+    outside AOTAutograd's inlining (make_fx on the hook graphs themselves).
+
+    Raises:
+        RuntimeError: when this torch has no such API. The graph rule cannot tell SDPA's q, k
+            and logsumexp or a ReLU's output apart without it, and coding those blind is
+            unsafe (exponential gradient errors), so compiled compression refuses instead.
+    """
     from torch._functorch._aot_autograd import graph_compile
 
     get = getattr(graph_compile, "_get_saved_tensor_hook_context", None)
-    return get() if get is not None else None
+    if get is None:
+        raise RuntimeError(
+            f"compress: torch {torch.__version__} does not give saved-tensor hooks their graph "
+            "context (torch._functorch._aot_autograd.graph_compile._get_saved_tensor_hook_context"
+            "), which compressing a compiled model needs; compress the model uncompiled")
+    return get()
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
