@@ -414,3 +414,14 @@ def test_compiled_division_leaves_a_users_joint_pass(monkeypatch):
     assert calls  # the user's pass ran
     rows = {row.layer: row for row in meter.per_layer()}
     assert set(rows["blocks.0.attn"].routes) == {"kept", "division feat/chan"}
+
+
+def test_graph_rule_reads_short_sequences_as_the_eager_routes_do():
+    # Swin's 16-token windows: (64, 16, 96) is read 4 windows at a time, (16, 64, 96), in eager
+    # (routes.view_shape) and in the graph rule alike
+    from freqact.engine import compiled, graph_rules
+    from freqact.engine.layouts import GROUP_TOKENS, token_view
+
+    spec = compiled.GraphCodec("division", 8, 2, BACKEND)
+    chosen = graph_rules.route(spec, torch.empty(64, 16, 96), None)
+    assert chosen.view == token_view((64, 16, 96), False, group=GROUP_TOKENS) == (16, 64, 96)

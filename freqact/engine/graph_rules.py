@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from freqact.engine import graph_ops
-from freqact.engine.layouts import packed_nbytes, token_view
+from freqact.engine.layouts import GROUP_TOKENS, packed_nbytes, token_view
 
 __all__ = ["GraphRoute", "route"]
 
@@ -100,7 +100,9 @@ def _chosen(t: torch.Tensor, node, context) -> GraphRoute:
         view = _token_shape(t, node)
         if view is None:
             return KEPT
-        return _layout(TOKENS if _is_norm(node) else FEATURES, view)
+        # short sequences (windows) read several at a time, as the eager routes read them
+        return _layout(TOKENS if _is_norm(node) else FEATURES,
+                       token_view(view, False, group=GROUP_TOKENS))
     if t.dim() in (4, 5):
         if getattr(node, "target", None) is torch.ops.aten.relu.default:
             return GraphRoute("relu-mask")

@@ -44,10 +44,13 @@ from freqact.kernels.format import (
     saturating_cast,
 )
 
-__all__ = ["BLOCKS", "STATS", "LayoutPacked", "TokenLayout", "packed_nbytes",
+__all__ = ["BLOCKS", "GROUP_TOKENS", "STATS", "LayoutPacked", "TokenLayout", "packed_nbytes",
            "token_view"]
 
 BLOCKS = ("feat", "tile", "tok64", "grid64")
+GROUP_TOKENS = 64
+"""Token sequences shorter than this (Swin's windows) are read several at a time (`token_view`),
+by the eager routes and the compiled graph rule alike."""
 STATS = ("tok", "chan")
 
 

@@ -28,7 +28,7 @@ from freqact.codecs.cheap import (
 )
 from freqact.codecs.division import Division
 from freqact.engine.attention import ROLES, SdpaCall
-from freqact.engine.layouts import TokenLayout, packed_nbytes, token_view
+from freqact.engine.layouts import GROUP_TOKENS, TokenLayout, packed_nbytes, token_view
 
 __all__ = ["DEFAULT_TYPES", "Kind", "Route", "Routes", "Saved", "Site", "choose", "kind_of",
            "route_for", "view_shape"]
@@ -170,7 +170,6 @@ class Routes:
 TOKEN_LAYOUT = ("tile", "tok")  # norm inputs: min/step per token (backward divides by its spread)
 FEATURE_LAYOUT = ("tile", "chan")  # Linear/activation inputs: 8 tokens x 8 features, per channel
 GRID_LAYOUT = ("grid64", "chan")  # the same on (N, H, W, C) grids: 8 x 8 patches, per channel
-GROUP_TOKENS = 64  # shorter sequences (windows) are read several at a time (`token_view`)
 
 
 def _layout_route(name: str, codec: Codec, blocks: str, stats: str) -> Route:
