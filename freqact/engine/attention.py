@@ -30,17 +30,18 @@ from freqact.codecs.base import Codec
 from freqact.engine.layouts import LayoutPacked, TokenLayout, packed_nbytes, token_view
 from freqact.engine.sdpa_math import MathSaves
 
-__all__ = ["Recomputed", "RecomputedPacked", "SdpaCall", "SdpaInput"]
+__all__ = ["Recomputed", "RecomputedPacked", "SdpaCall", "SdpaInput", "same_view", "setting"]
 
 ROLES = ("q", "k", "v")
 
 
-def _same_view(a: torch.Tensor, b) -> bool:
+def same_view(a: torch.Tensor, b) -> bool:
+    """Whether b is a tensor viewing exactly a's elements (same data pointer, shape, strides)."""
     return (isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr()
             and a.shape == b.shape and a.stride() == b.stride())
 
 
-def _setting(args: tuple, kwargs: dict, name: str, index: int, default):
+def setting(args: tuple, kwargs: dict, name: str, index: int, default):
     """An SDPA argument given by keyword or at its position in
     (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)."""
     if name in kwargs:
@@ -69,10 +70,10 @@ class SdpaCall:
         q, k, v = (args[i] if len(args) > i else None for i in range(3))
         self.refs = tuple(weakref.ref(a) if isinstance(a, torch.Tensor) else None
                           for a in (q, k, v))
-        self.mask = _setting(args, kwargs, "attn_mask", 3, None)
-        self.dropout = _setting(args, kwargs, "dropout_p", 4, 0.0)
-        self.causal = bool(_setting(args, kwargs, "is_causal", 5, False))
-        self.scale = _setting(args, kwargs, "scale", 6, None)
+        self.mask = setting(args, kwargs, "attn_mask", 3, None)
+        self.dropout = setting(args, kwargs, "dropout_p", 4, 0.0)
+        self.causal = bool(setting(args, kwargs, "is_causal", 5, False))
+        self.scale = setting(args, kwargs, "scale", 6, None)
         self.shapes = {r: tuple(a.shape) for r, a in zip(ROLES, (q, k, v))
                        if isinstance(a, torch.Tensor)}
         self.packed: dict[str, LayoutPacked] = {}
@@ -94,7 +95,7 @@ class SdpaCall:
             return False
         if q.device.type != "cpu" or kwargs.get("enable_gqa", False):
             return False
-        if q.numel() < min_elements or any(_same_view(a, b) for a, b in ((q, k), (q, v), (k, v))):
+        if q.numel() < min_elements or any(same_view(a, b) for a, b in ((q, k), (q, v), (k, v))):
             return False
         # all three packed or none (the routes' own size check must not keep one of them)
         return all(packed_nbytes(self.layout, token_view(tuple(a.shape), True))
@@ -128,7 +129,7 @@ class SdpaCall:
         if self.mode != "flash":
             return None
         for name, ref in zip(ROLES, self.refs):
-            if ref is not None and _same_view(t, ref()):
+            if ref is not None and same_view(t, ref()):
                 return name
         q_shape = self.shapes.get("q")
         if q_shape is None or "v" not in self.shapes:

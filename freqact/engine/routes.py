@@ -27,7 +27,7 @@ from freqact.codecs.cheap import (
     SignMask,
 )
 from freqact.codecs.division import Division
-from freqact.engine.attention import ROLES, SdpaCall
+from freqact.engine.attention import ROLES, SdpaCall, same_view, setting
 from freqact.engine.layouts import GROUP_TOKENS, TokenLayout, packed_nbytes, token_view
 
 __all__ = ["DEFAULT_TYPES", "Kind", "Route", "Routes", "Saved", "Site", "choose", "kind_of",
@@ -325,11 +325,6 @@ def _tensor_arg(saved: Saved, index: int) -> torch.Tensor | None:
     return args[index] if len(args) > index and isinstance(args[index], torch.Tensor) else None
 
 
-def _same_view(a: torch.Tensor, b: torch.Tensor | None) -> bool:
-    return (b is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape
-            and a.stride() == b.stride())
-
-
 def _from_matmul(t: torch.Tensor) -> bool:
     """True if t (or, for an activation's saved output, its input) is a Linear's output."""
     node = t.grad_fn
@@ -439,12 +434,12 @@ def _sdpa_kept_qk(site: Site, saved: Saved) -> Route:
     # Where the kernel cannot be rerun, q and k stay exact; so do v and out with a mask or
     # is_causal (measured: no layout works there yet), and logsumexp and the RNG state.
     t = saved.tensor
-    mask = saved.kwargs.get("attn_mask", saved.args[3] if len(saved.args) > 3 else None)
-    causal = saved.kwargs.get("is_causal", saved.args[5] if len(saved.args) > 5 else False)
+    mask = setting(saved.args, saved.kwargs, "attn_mask", 3, None)
+    causal = setting(saved.args, saved.kwargs, "is_causal", 5, False)
     if mask is not None or causal or t.dim() < 3 or any(
-            _same_view(t, _tensor_arg(saved, i)) for i in (0, 1)):
+            same_view(t, _tensor_arg(saved, i)) for i in (0, 1)):
         return KEEP
-    if _same_view(t, _tensor_arg(saved, 2)) or saved.op.startswith("ScaledDotProduct"):
+    if same_view(t, _tensor_arg(saved, 2)) or saved.op.startswith("ScaledDotProduct"):
         return site.routes.attention
     return KEEP
 
