@@ -89,6 +89,11 @@ def mode_settings() -> tuple[Setting, ...]:
     return tuple(seen.values())
 
 
+CODEC_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+"""Dtypes the value codecs read; other floating types (float8) are kept exactly (eager routes and
+the compiled graph rule alike)."""
+
+
 def tensor_nbytes(t: torch.Tensor) -> int:
     """Bytes of the elements of `t` (not of its whole storage)."""
     return t.numel() * t.element_size()

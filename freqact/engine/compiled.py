@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from freqact.codecs.base import Codec, Exact, ExactPacked
+from freqact.codecs.base import CODEC_DTYPES, Codec, Exact, ExactPacked
 from freqact.engine import graph_meter, graph_ops, graph_rules
 
 __all__ = ["GRAPH_CODECS", "THRESHOLD", "GraphCodec", "graph_hooks", "installed", "is_compiled",
@@ -44,7 +44,6 @@ GRAPH_CODECS = ("exact", "division")
 THRESHOLD = 4096
 """Saved tensors with fewer elements are kept as they are inside graphs (their bytes are few)."""
 
-_CODEC_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _EXACT = Exact()
 
 
@@ -115,7 +114,7 @@ class GraphCodec:
         """The rule where a graph breaks (the hooks run eagerly on real tensors, without the
         graph's context): floating tensors of rank 3 to 5 go through the eager codec as saved.
         Inside graphs `graph_rules.route` decides."""
-        return (self.name == "division" and t.dtype in _CODEC_DTYPES
+        return (self.name == "division" and t.dtype in CODEC_DTYPES
                 and t.layout == torch.strided and 3 <= t.dim() <= 5
                 and t.numel() >= self.threshold)
 

@@ -75,7 +75,7 @@ def plan(context: dict | None, t: torch.Tensor, packed, route: str) -> None:
         return
     node = context["_node"]
     layer, type_name = _module_of(node)
-    held = _nbytes(packed) if route != "kept" else _nbytes(t)
+    held = _nbytes(packed)  # for "kept", packed is t itself (or its own copy)
     rows = _PLANS.setdefault(context["_bw_graph"], {})
     rows[node.name] = PlanRow(layer, type_name, route, held, _nbytes(t))
 

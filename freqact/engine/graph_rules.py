@@ -31,12 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
+from freqact.codecs.base import CODEC_DTYPES
 from freqact.engine import graph_ops
 from freqact.engine.layouts import GROUP_TOKENS, packed_nbytes, token_view
 
 __all__ = ["GraphRoute", "route"]
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten.reshape.default,
                     torch.ops.aten._unsafe_view.default})
 _NORM_STATS = frozenset({torch.ops.aten.var_mean.correction, torch.ops.aten.rsqrt.default,
@@ -79,7 +79,7 @@ def route(spec, t: torch.Tensor, context: dict | None) -> GraphRoute:
         return KEPT
     if t.dtype == torch.bool:
         return MASK
-    if t.dtype not in _FLOATS:
+    if t.dtype not in CODEC_DTYPES:
         return KEPT
     node = context.get("_node") if context else None
     chosen = _chosen(t, node, context)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from freqact.codecs.base import Codec, Exact
+from freqact.codecs.base import CODEC_DTYPES, Codec, Exact
 from freqact.codecs.cheap import (
     DropoutMask,
     HardtanhMask,
@@ -43,8 +43,6 @@ MIN_ELEMENTS = 4096
 """Saved tensors routed by the op that saved them need at least this many elements (smaller ones,
 statistics such as a norm's rsqrt among them, are kept: they hold few bytes)."""
 
-# Dtypes the value codecs read; other floating types (float8) are kept exactly.
-_CODEC_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
 class Kind(enum.Enum):
@@ -548,7 +546,7 @@ def _chosen(site: Site, saved: Saved) -> Route:
         return KEEP
     if site.kind is Kind.MAXPOOL and t.dtype == torch.int64 and saved.input is not None:
         return _maxpool_indices(site, saved)
-    if t.dtype not in _CODEC_DTYPES:
+    if t.dtype not in CODEC_DTYPES:
         return KEEP
     route = _by_function(site, saved)
     if route is not None:
