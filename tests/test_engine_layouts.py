@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freqact import codecs, kernels
+from freqact.kernels import cpu
 from freqact.engine.layouts import BLOCKS, STATS, TokenLayout, packed_nbytes, token_view
 
 LAYOUTS = [(b, s) for b in BLOCKS for s in STATS]
@@ -23,7 +24,8 @@ def _same(a, b):
         assert torch.equal(getattr(a, part).view(torch.uint8), getattr(b, part).view(torch.uint8))
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpu", marks=pytest.mark.skipif(
+    not cpu.available(), reason=f"C kernels unavailable: {cpu.unavailable_reason()}"))])
 def test_grid64_chan_on_a_channels_last_grid_is_the_cnn_map_rule(backend):
     # (N, H, W, C): edge blocks on both axes; dyadic values, so that block sums are exact in
     # any order (the fused C kernels add them in another order than torch)

@@ -201,9 +201,8 @@ class TokenLayout(Codec):
         _check_noise(noise, geom.quant_shape)
         head_packed = (kernels.division_encode(x[:, :head], d.block, d.bits,
                                                backend=d._kernels) if head else None)
-        seed = 0 if noise is not None else int(torch.randint(2**62, (), dtype=torch.int64))
         lfc, lo, step, codes = cpu.token_encode(self._panel(x, head, geom), geom, d.bits, noise,
-                                                seed)
+                                                kernels._seed(noise))
         quant = QuantPacked(lo, step, codes, torch.Size(geom.quant_shape), torch.float32, d.bits)
         return LayoutPacked(LfcPacked(lfc, torch.Size(view), torch.float32, block), quant,
                             head_packed, x.shape, x.dtype)

@@ -44,6 +44,20 @@ def assert_same_bytes(got, want, fields=FIELDS) -> None:
     assert got.nbytes == want.nbytes
 
 
+def at_thread_counts(fn, counts=(1, 3), seed: int = 5) -> list:
+    """fn() under each torch thread count in `counts`, torch's generator seeded the same before
+    each call (the thread count restored after): the C kernels' bytes must not depend on it."""
+    threads, results = torch.get_num_threads(), []
+    try:
+        for n in counts:
+            torch.set_num_threads(n)
+            torch.manual_seed(seed)
+            results.append(fn())
+    finally:
+        torch.set_num_threads(threads)
+    return results
+
+
 def dyadic(shape, dtype, gen, device="cpu") -> torch.Tensor:
     """Gaussian values on a 2**-8 grid: every block sum is exact in float32 whatever the
     summation order, so byte equality with the reference is a strict requirement."""

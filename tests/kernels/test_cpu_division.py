@@ -10,27 +10,20 @@ import torch
 import freqact.kernels as K
 from freqact.kernels import cpu
 from freqact.kernels import format as fmt
-from tests.kernels.helpers import assert_same_bytes, dyadic
+from tests.kernels.helpers import assert_same_bytes, at_thread_counts, dyadic
 
 pytestmark = pytest.mark.skipif(not cpu.available(),
                                 reason=f"C kernels unavailable: {cpu.unavailable_reason()}")
 
 def test_the_thread_count_does_not_change_the_bytes():
     x = torch.randn(4, 8, 12, 12, generator=torch.Generator().manual_seed(4))
-    threads = torch.get_num_threads()
-    results = []
-    try:
-        for n in (1, 3):
-            torch.set_num_threads(n)
-            torch.manual_seed(5)
-            results.append(K.division_encode(x, backend="cpu"))
-            packed = results[-1]
-            results.append(K.division_decode(packed, backend="cpu"))
-            results.append(K.pack_mask(x, 0.0, backend="cpu"))
-    finally:
-        torch.set_num_threads(threads)
-    assert_same_bytes(results[0], results[3])
-    assert torch.equal(results[1], results[4]) and torch.equal(results[2], results[5])
+
+    def codec_calls():
+        packed = K.division_encode(x, backend="cpu")
+        return packed, K.division_decode(packed, backend="cpu"), K.pack_mask(x, 0.0, backend="cpu")
+    one, three = at_thread_counts(codec_calls)
+    assert_same_bytes(one[0], three[0])
+    assert torch.equal(one[1], three[1]) and torch.equal(one[2], three[2])
 
 
 def test_library_is_cached_by_content_and_built_atomically(monkeypatch, tmp_path):

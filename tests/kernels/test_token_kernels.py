@@ -13,7 +13,7 @@ import freqact.kernels as K
 from freqact import codecs
 from freqact.engine.layouts import BLOCKS, STATS, TokenLayout
 from freqact.kernels import cpu
-from tests.kernels.helpers import bytes_of, dyadic
+from tests.kernels.helpers import assert_same_bytes, at_thread_counts, bytes_of, dyadic
 
 pytestmark = pytest.mark.skipif(not cpu.available(),
                                 reason=f"C kernels unavailable: {cpu.unavailable_reason()}")
@@ -36,12 +36,10 @@ def _assert_same(a, b):
     assert a.lfc.shape == b.lfc.shape and a.lfc.block == b.lfc.block
     assert torch.equal(bytes_of(a.lfc.lfc), bytes_of(b.lfc.lfc))
     assert a.quant.shape == b.quant.shape
-    for part in ("lo", "step", "codes"):
-        assert torch.equal(bytes_of(getattr(a.quant, part)), bytes_of(getattr(b.quant, part))), part
+    assert_same_bytes(a.quant, b.quant, ("lo", "step", "codes"))
     assert (a.head is None) == (b.head is None)
     if a.head is not None:  # the class token: its own `division` map, drawing its own noise
-        for part in ("lfc", "lo", "step"):
-            assert torch.equal(bytes_of(getattr(a.head, part)), bytes_of(getattr(b.head, part)))
+        assert_same_bytes(a.head, b.head, ("lfc", "lo", "step"))
 
 
 def _layouts_of(x):
@@ -118,15 +116,7 @@ def test_own_noise_is_the_quant_kernels_stream_and_thread_independent(blocks, st
     residual in the stats view from the same seed of torch's generator."""
     x = dyadic((3, 1 + 8 * 8, 40), torch.float32, torch.Generator().manual_seed(3))
     ref, fused = _pair(blocks, stats)
-    threads = torch.get_num_threads()
-    results = []
-    try:
-        for n in (1, 3):
-            torch.set_num_threads(n)
-            torch.manual_seed(7)
-            results.append(fused.encode(x))
-    finally:
-        torch.set_num_threads(threads)
+    results = at_thread_counts(lambda: fused.encode(x), seed=7)
     _assert_same(results[0], results[1])
     used, head, _ = ref._plan(tuple(x.shape))
     body = x[:, head:]
