@@ -39,6 +39,7 @@ if not __package__:  # run as a file (python benchmarks/X.py): make the repo roo
 from benchmarks.common import median_time, print_table, release_free_heap, resident_bytes, write_results
 from freqact import models
 from freqact.engine import compress
+from freqact.engine.compiled import division_compile_settings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CASES = (("resnet18", 64), ("vit", 64))
@@ -60,18 +61,9 @@ def _loss(model, compiled, x, y, mode: str) -> torch.Tensor:
     if mode.endswith("division"):
         with compress(net, "division", **DIVISION):
             return F.cross_entropy(net(x), y)
-    with _layout_off() if mode.endswith("layout-off") else contextlib.nullcontext():
+    with (division_compile_settings() if mode.endswith("layout-off")
+          else contextlib.nullcontext()):
         return F.cross_entropy(net(x), y)
-
-
-def _layout_off():
-    """Compile as `compress` does under division: layout optimization off, backward at once."""
-    from torch._inductor import config as inductor
-
-    stack = contextlib.ExitStack()
-    stack.enter_context(inductor.patch(layout_optimization=False))
-    stack.enter_context(torch._functorch.config.patch(force_non_lazy_backward_lowering=True))
-    return stack
 
 
 def measure_memory(name: str, batch: int, mode: str) -> dict:

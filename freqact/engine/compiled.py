@@ -276,6 +276,19 @@ def graph_hooks(spec: GraphCodec) -> tuple[torch.fx.GraphModule, torch.fx.GraphM
     return _hook_module(_graph_pack, spec, "t"), _hook_module(_graph_unpack, spec, "packed")
 
 
+
+@contextlib.contextmanager
+def division_compile_settings():
+    """How graphs compile inside a division block, hooks and attention pass aside: Inductor's
+    layout optimization off and the backward compiled at once (`installed`; compile_bench's
+    "compiled layout-off" mode compiles normal training with these alone)."""
+    from torch._inductor import config as inductor
+
+    with inductor.patch(layout_optimization=False), torch._functorch.config.patch(
+            force_non_lazy_backward_lowering=True):
+        yield
+
+
 @contextlib.contextmanager
 def installed(spec: GraphCodec):
     """Install spec's graph-level hooks for the block.
@@ -297,11 +310,9 @@ def installed(spec: GraphCodec):
         if spec.name == "division":
             from torch._inductor import config as inductor
 
-            stack.enter_context(inductor.patch(layout_optimization=False))
+            stack.enter_context(division_compile_settings())
             if inductor.joint_custom_pre_pass is None:  # a user's own pass is left in place
                 stack.enter_context(inductor.patch(
                     joint_custom_pre_pass=graph_ops.recompute_attention()))
-            stack.enter_context(torch._functorch.config.patch(
-                force_non_lazy_backward_lowering=True))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
         yield
