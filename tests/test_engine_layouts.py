@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from freqact import codecs, kernels
-from freqact.kernels import cpu
 from freqact.engine.layouts import BLOCKS, STATS, TokenLayout, packed_nbytes, token_view
+from freqact.kernels import cpu
 
 LAYOUTS = [(b, s) for b in BLOCKS for s in STATS]
 
