@@ -455,6 +455,27 @@ def test_fast_dct_row_lengths_on_both_sides_of_the_plain_product(monkeypatch, h,
 
 
 @needs_c
+@pytest.mark.parametrize("h,w", [(8, 8), (4, 4), (2, 2), (16, 8), (12, 4), (64, 8),  # narrow
+                                 (6, 2), (7, 8), (3, 4), (66, 8)])  # rows left over: products
+def test_corner_kernels_on_maps_a_vector_holds_whole_rows_of(h, w):
+    # Rows of 2, 4 or 8 floats take the narrow path when whole rows fill the vectors (h a
+    # multiple of 16 / w, up to 64 rows); the other cases keep the general products. Every
+    # window from one coefficient to the whole map, against float64 scipy; the high-pass kernel
+    # is the corner then the synthesis kernel, byte for byte.
+    x = randn(3, 5, h, w, dtype=torch.float32, seed=h * 10 + w)
+    spectrum = scipy.fft.dctn(x.double().numpy(), type=2, norm="ortho", axes=(-2, -1))
+    for wh, ww in sorted({(1, 1), (1, w), (h, 1), (min(h, 3), min(w, 2)), (min(h, 5), w), (h, w)}):
+        corner = cpu_dct.dct_corner(x, wh, ww)
+        assert rel_error(corner, spectrum[..., :wh, :ww]) <= 2e-6
+        kept = np.zeros_like(spectrum)
+        kept[..., :wh, :ww] = spectrum[..., :wh, :ww]
+        low = scipy.fft.idctn(kept, type=2, norm="ortho", axes=(-2, -1))
+        synthesis = cpu_dct.idct_corner(corner, h, w)
+        assert np.abs(synthesis.double().numpy() - low).max() <= 2e-6 * np.abs(x.numpy()).max()
+        assert torch.equal(cpu_dct.highpass(x, wh, ww), x - synthesis)
+
+
+@needs_c
 @pytest.mark.parametrize("h,w", [(1, 1), (7, 33), (8, 8), (33, 7), (32, 32)])
 def test_fast_lowpass_pieces_and_band_energy_match_the_reference(monkeypatch, h, w):
     x = randn(2, 3, h, w, dtype=torch.float32, seed=h + w)

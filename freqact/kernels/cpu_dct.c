@@ -511,6 +511,158 @@ static void map_synthesis(const corner_plan *p, const float *restrict corner, fl
     mat_rows(p->dh_t, padded(wh), h, wh, r, w, w, out, w);
 }
 
+/* Narrow maps: rows of w in {2, 4, 8}, so that a vector holds R = LANES / w whole rows (h a
+ * multiple of R, h <= NARROW_ROWS). The products above take such rows as a tail narrower than a
+ * vector, and pay per row and per call what dominates these maps (an 8 x 8 map's high-pass part
+ * took about 150 ns at one thread, for some 40 vector multiply-adds). Here a map is G = h / R
+ * vectors and every pass is made of whole vectors:
+ *   columns   T_a = sum_i D_h[a][i] X_i (a < wh): per vector of X, one multiply-add with the
+ *             vector of D_h[a][the row of each lane] (`col`), then the R row slots of T_a are
+ *             summed by a butterfly of lane shuffles, which leaves T_a in every slot;
+ *   corner    C[a][b] = sum_j T_a[j] D_w[b][j] (b < ww): T_a's lanes times `row_t`;
+ *   rows      S_a = sum_b C[a][b] D_w[b], D_w[b] repeated in every slot (`row`);
+ *   synthesis L = sum_a D_h[a][the row of each lane] S_a, vector by vector, with `col` again.
+ * HIGHPASS runs the corner then the synthesis and subtracts: the same arithmetic as CORNER then
+ * SYNTHESIS, so the same bytes. Maps of 16 or 32 columns gained nothing this way (measured at
+ * 16 x 16 and 32 x 32: equal and slower), so they keep the products above. */
+#define NARROW_ROWS 64
+
+static int narrow(int64_t h, int64_t w) {
+    return (w == 2 || w == 4 || w == 8) && h % (LANES / w) == 0 && h <= NARROW_ROWS;
+}
+
+typedef struct {
+    int64_t h, w, wh, ww, groups; /* groups: G, the vectors of a map */
+    float *col;   /* [(a * groups + g) * LANES + l] = D_h[a][g R + l / w] */
+    float *row_t; /* [j * LANES + b] = D_w[b][j] for b < ww, zero beyond */
+    float *row;   /* [b * LANES + l] = D_w[b][l mod w] */
+} narrow_plan;
+
+static void free_narrow_plan(narrow_plan *p) {
+    free(p->col);
+    free(p->row_t);
+    free(p->row);
+}
+
+/* The tables of `narrow` maps with a wh x ww window; -1 when out of memory. */
+static int make_narrow_plan(narrow_plan *p, int64_t h, int64_t w, int64_t wh, int64_t ww) {
+    const int64_t slots = LANES / w;
+    *p = (narrow_plan){h, w, wh, ww, h / slots, NULL, NULL, NULL};
+    p->col = malloc((size_t)(wh * p->groups * LANES) * sizeof(float));
+    p->row_t = calloc((size_t)(w * LANES), sizeof(float));
+    p->row = malloc((size_t)(ww * LANES) * sizeof(float));
+    if (!p->col || !p->row_t || !p->row) {
+        free_narrow_plan(p);
+        return -1;
+    }
+    for (int64_t a = 0; a < wh; a++)
+        for (int64_t g = 0; g < p->groups; g++)
+            for (int64_t l = 0; l < LANES; l++)
+                p->col[(a * p->groups + g) * LANES + l] = (float)basis(a, g * slots + l / w, h);
+    for (int64_t j = 0; j < w; j++)
+        for (int64_t b = 0; b < ww; b++)
+            p->row_t[j * LANES + b] = (float)basis(b, j, w);
+    for (int64_t b = 0; b < ww; b++)
+        for (int64_t l = 0; l < LANES; l++)
+            p->row[b * LANES + l] = (float)basis(b, l % w, w);
+    return 0;
+}
+
+/* Per-thread scratch of a narrow map: T, S and the corner rows, wh vectors each. */
+static size_t narrow_scratch_floats(int64_t wh) { return (size_t)(3 * wh * LANES); }
+
+/* Lane l ^ 2^k: the butterfly steps that sum the row slots of a vector. */
+static const lane_index XOR_LANES[4] = {
+    {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14},
+    {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+    {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+    {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}};
+
+/* t[a * LANES + 0:LANES] = T_a in every slot, a0 <= a < a0 + rows (1 to GROUP, a constant where
+ * inlined): the column pass of one map x. */
+static inline __attribute__((always_inline)) void
+narrow_columns_block(const narrow_plan *p, const float *restrict x, int64_t a0, const int rows,
+                     float *restrict t) {
+    vec acc[GROUP];
+    for (int r = 0; r < rows; r++)
+        acc[r] = (vec){0};
+    for (int64_t g = 0; g < p->groups; g++) {
+        const vec xv = vload(x + g * LANES);
+        for (int r = 0; r < rows; r++)
+            acc[r] += vload(p->col + ((a0 + r) * p->groups + g) * LANES) * xv;
+    }
+    for (int r = 0; r < rows; r++) {
+        for (int k = 0; k < 4; k++) /* slots are w lanes wide: partners 2^k >= w lanes apart */
+            if ((1 << k) >= p->w)
+                acc[r] += __builtin_shuffle(acc[r], XOR_LANES[k]);
+        vstore(t + (a0 + r) * LANES, acc[r]);
+    }
+}
+
+/* corner (wh, ww) = the top-left DCT coefficients of one narrow map x. s: narrow scratch. */
+static void narrow_corner(const narrow_plan *p, const float *restrict x, float *restrict s,
+                          float *restrict corner) {
+    const int64_t wh = p->wh, ww = p->ww;
+    float *t = s, *corner_rows = s + 2 * wh * LANES;
+    for (int64_t a0 = 0; a0 < wh; a0 += GROUP) {
+        const int64_t rows = wh - a0 < GROUP ? wh - a0 : GROUP;
+        if (rows == 4)
+            narrow_columns_block(p, x, a0, 4, t);
+        else if (rows == 3)
+            narrow_columns_block(p, x, a0, 3, t);
+        else if (rows == 2)
+            narrow_columns_block(p, x, a0, 2, t);
+        else
+            narrow_columns_block(p, x, a0, 1, t);
+        product_of_rows(t + a0 * LANES, LANES, rows, p->w, p->row_t, LANES, LANES,
+                        corner_rows + a0 * LANES, LANES);
+    }
+    for (int64_t a = 0; a < wh; a++)
+        memcpy(corner + a * ww, corner_rows + a * LANES, (size_t)ww * sizeof(float));
+}
+
+/* Vectors g0 <= g < g0 + count (1 to GROUP, a constant where inlined) of the synthesis from S:
+ * out_g = L_g, or x_g - L_g when x is not NULL. */
+static inline __attribute__((always_inline)) void
+narrow_synthesis_block(const narrow_plan *p, const float *restrict s, int64_t g0, const int count,
+                       const float *restrict x, float *restrict out) {
+    vec even[GROUP], odd[GROUP];
+    for (int k = 0; k < count; k++)
+        even[k] = odd[k] = (vec){0};
+    int64_t a = 0;
+    for (; a + 1 < p->wh; a += 2) {
+        const vec s0 = vload(s + a * LANES), s1 = vload(s + (a + 1) * LANES);
+        for (int k = 0; k < count; k++) {
+            even[k] += vload(p->col + (a * p->groups + g0 + k) * LANES) * s0;
+            odd[k] += vload(p->col + ((a + 1) * p->groups + g0 + k) * LANES) * s1;
+        }
+    }
+    if (a < p->wh) {
+        const vec s0 = vload(s + a * LANES);
+        for (int k = 0; k < count; k++)
+            even[k] += vload(p->col + (a * p->groups + g0 + k) * LANES) * s0;
+    }
+    for (int k = 0; k < count; k++) {
+        const vec low = even[k] + odd[k];
+        vstore(out + (g0 + k) * LANES, x ? vload(x + (g0 + k) * LANES) - low : low);
+    }
+}
+
+/* out (h, w) = the inverse DCT of one (wh, ww) corner (zeros elsewhere), or x minus it when x is
+ * not NULL. s: narrow scratch. */
+static void narrow_synthesis(const narrow_plan *p, const float *restrict corner, float *restrict s,
+                             const float *restrict x, float *restrict out) {
+    const int64_t wh = p->wh, ww = p->ww;
+    for (int64_t a0 = 0; a0 < wh; a0 += GROUP)
+        product_of_rows(corner + a0 * ww, ww, wh - a0 < GROUP ? wh - a0 : GROUP, ww, p->row,
+                        LANES, LANES, s + a0 * LANES, LANES);
+    int64_t g0 = 0;
+    for (; g0 + GROUP <= p->groups; g0 += GROUP)
+        narrow_synthesis_block(p, s, g0, GROUP, x, out);
+    for (; g0 < p->groups; g0++)
+        narrow_synthesis_block(p, s, g0, 1, x, out);
+}
+
 /* Whether every one of n floats is finite. */
 static int all_finite(const float *x, int64_t n) {
     int finite = 1;
@@ -538,16 +690,20 @@ enum corner_job { CORNER, SYNTHESIS, HIGHPASS };
  * finite (CORNER, HIGHPASS: the caller's edge rule needs to know). */
 static int corner_maps(enum corner_job job, int64_t maps, int64_t h, int64_t w, int64_t wh,
                        int64_t ww, const float *src, float *dst, int threads) {
+    const int is_narrow = narrow(h, w);
     corner_plan p;
-    if (make_corner_plan(&p, h, w, wh, ww, job != SYNTHESIS, job != CORNER))
+    narrow_plan np;
+    if (is_narrow ? make_narrow_plan(&np, h, w, wh, ww)
+                  : make_corner_plan(&p, h, w, wh, ww, job != SYNTHESIS, job != CORNER))
         return -1;
     const int64_t corner = wh * ww, in = job == SYNTHESIS ? corner : h * w;
     const int64_t out = job == CORNER ? corner : h * w;
+    const size_t scratch_size = (size_t)corner + (is_narrow ? narrow_scratch_floats(wh) : (size_t)(wh * w));
     int failed = 0, overflow = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed, overflow)
     {
         prefault(dst, maps * out * (int64_t)sizeof(float));
-        float *scratch = malloc((size_t)(corner + wh * w) * sizeof(float));
+        float *scratch = malloc(scratch_size * sizeof(float));
         failed = scratch == NULL;
 #pragma omp for schedule(dynamic, 8)
         for (int64_t m = 0; m < maps; m++) {
@@ -558,17 +714,26 @@ static int corner_maps(enum corner_job job, int64_t maps, int64_t h, int64_t w, 
             float *coeffs = job == CORNER ? y : scratch; /* where the corner is computed */
             const float *c = job == SYNTHESIS ? x : coeffs;
             if (job != SYNTHESIS) {
-                map_corner(&p, x, r, coeffs);
+                if (is_narrow)
+                    narrow_corner(&np, x, r, coeffs);
+                else
+                    map_corner(&p, x, r, coeffs);
                 overflow |= !all_finite(coeffs, corner);
             }
-            if (job != CORNER)
+            if (job != CORNER && is_narrow) {
+                narrow_synthesis(&np, c, r, job == HIGHPASS ? x : NULL, y);
+            } else if (job != CORNER) {
                 map_synthesis(&p, c, r, y);
-            if (job == HIGHPASS)
-                subtract_from(x, h * w, y);
+                if (job == HIGHPASS)
+                    subtract_from(x, h * w, y);
+            }
         }
         free(scratch);
     }
-    free_corner_plan(&p);
+    if (is_narrow)
+        free_narrow_plan(&np);
+    else
+        free_corner_plan(&p);
     return failed ? -1 : overflow ? 1 : 0;
 }
 

@@ -78,7 +78,7 @@ _ASAN_DRIVER = textwrap.dedent("""
     K.unpack_mask(K.pack_mask(big, 0.0, 1.0, backend="cpu"), big.shape, torch.float32, 0, 1,
                   backend="cpu")
     from freqact.kernels import cpu_dct as D
-    for h, w in [(1, 1), (5, 31), (3, 32), (2, 33), (7, 56), (1, 65), (33, 7)]:
+    for h, w in [(1, 1), (5, 31), (3, 32), (2, 33), (7, 56), (1, 65), (33, 7), (8, 8), (12, 4), (64, 8)]:
         x = torch.randn(3, h, w)
         for inverse in (False, True):
             D.dct2(x, inverse)
