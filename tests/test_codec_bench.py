@@ -40,8 +40,28 @@ def test_spectral_step_times_cover_every_mode():
 
 def test_spectral_mode_writes_its_table_and_json(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(codec_bench, "SPECTRAL_CASE", ("resnet20", 2, (3, 8, 8)))
-    assert codec_bench.main(["--spectral", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    argv = ["--spectral", "--repeats", "1", "--processes", "1", "--out", str(tmp_path)]
+    assert codec_bench.main(argv) == 0
     document = json.loads((tmp_path / "codec-spectral-cpu.json").read_text())
     assert document["settings"]["batch"] == 2 and document["step_vs_normal"]["normal"] == 1.0
     assert set(document["step_seconds"]) == {"normal", "lfc", "hfc"}
     assert "vs normal" in capsys.readouterr().out
+
+
+def test_spectral_ratios_come_from_fresh_processes_with_their_median_and_range(tmp_path):
+    argv = ["--spectral", "--repeats", "1", "--processes", "3", "--spectral-batch", "2",
+            "--out", str(tmp_path)]
+    assert codec_bench.main(argv) == 0
+    document = json.loads((tmp_path / "codec-spectral-cpu.json").read_text())
+    runs = document["per_process"]
+    assert document["settings"]["processes"] == 3 and len(runs) == 3
+    for mode in ("lfc", "hfc"):
+        ratios = sorted(run["step_seconds"][mode] / run["step_seconds"]["normal"] for run in runs)
+        assert document["step_vs_normal"][mode] == pytest.approx(ratios[1])
+        assert document["step_vs_normal_range"][mode] == pytest.approx([ratios[0], ratios[-1]])
+
+
+def test_spectral_process_count_is_checked(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        codec_bench.main(["--spectral", "--processes", "0"])
+    assert exit_info.value.code == 2 and "--processes" in capsys.readouterr().err
