@@ -44,7 +44,7 @@ from freqact._separable import _as_2d, _fast
 from freqact.codecs.base import Codec, register, tensor_nbytes
 from freqact.codecs.settings import BACKEND, BITS, RATIO, WINDOW_RULE
 from freqact.kernels import cpu_dct
-from freqact.kernels.format import QuantPacked, as_maps, saturating_cast
+from freqact.kernels.format import QuantPacked, as_maps, maps_shape, saturating_cast
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,17 @@ def _lowpass_corner(maps: torch.Tensor, windows: tuple[int, ...]) -> tuple[torch
     return _scaled(lambda m: dct.lowpass_coefficients(m, windows), maps)
 
 
+def _lowpass_part(low: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
+    """The inverse DCT of each map's corner coefficients `low` (N, C, *W) in a zero spectrum of
+    `spatial` sizes: (N, C, *spatial), float32 for half precision (`dct.lowpass_synthesis`; float32
+    CPU corners call its C kernel directly, without its argument checks, which encode has made)."""
+    dims = len(spatial)
+    if low.dtype == torch.float32 and _fast(low, dims):
+        out = cpu_dct.idct_corner(_as_2d(low, dims), *((1,) * (2 - dims) + tuple(spatial)))
+        return out.view(*low.shape[: low.dim() - dims], *spatial)
+    return dct.lowpass_synthesis(low.to(_wide(low.dtype)), spatial)
+
+
 def _highpass(x: torch.Tensor, windows: tuple[int, ...]) -> torch.Tensor:
     """x - iDCT(the corner `windows` of DCT(x)) per map: the high-pass part, x's shape and dtype.
 
@@ -153,17 +164,15 @@ class _Spectral(Codec):
 
     def windows(self, shape) -> tuple[int, ...]:
         """W_d per spatial dim of the maps of a tensor of `shape` (as encode uses them)."""
-        spatial = as_maps(torch.empty(shape, device="meta")).shape[2:]
-        return dct.windows(spatial, self.ratio, rule=self.window_rule)
+        return dct.windows(maps_shape(shape)[2:], self.ratio, rule=self.window_rule)
 
     def encode(self, x: torch.Tensor) -> SpectralPacked:
         _validate.floating_tensor("x", x)
         with torch.no_grad():
             windows = self.windows(x.shape)
             if self._high:
-                spatial = as_maps(torch.empty(x.shape, device="meta")).shape[2:]
                 # No high band (ratio 1): an empty tensor holds only the dtype and device.
-                high = x.new_zeros(0) if windows == tuple(spatial) else _highpass(x, windows)
+                high = x.new_zeros(0) if windows == tuple(maps_shape(x.shape)[2:]) else _highpass(x, windows)
                 return SpectralPacked((high,), x.shape, windows, True)
             low, scale_exp = _lowpass_corner(as_maps(x), windows)
             return SpectralPacked((low,), x.shape, windows, False, scale_exp)
@@ -174,10 +183,8 @@ class _Spectral(Codec):
             high = packed.pieces[0]
             return high if high.shape == packed.shape else high.new_zeros(packed.shape)
         low = packed.pieces[0]
-        maps_shape = as_maps(torch.empty(packed.shape, device="meta")).shape
         with torch.no_grad():
-            # Half-precision coefficients are transformed in float32 either way (`freqact.dct`).
-            x_hat = dct.lowpass_synthesis(low.to(_wide(low.dtype)), maps_shape[2:])
+            x_hat = _lowpass_part(low, tuple(maps_shape(packed.shape)[2:]))
             return saturating_cast(_unscaled(x_hat, packed.scale_exp), low.dtype).reshape(packed.shape)
 
 
