@@ -455,6 +455,23 @@ def test_fast_dct_row_lengths_on_both_sides_of_the_plain_product(monkeypatch, h,
 
 
 @needs_c
+def test_outputs_of_8_mib_stream_past_the_cache_with_the_same_bytes():
+    # From 8 MiB on, the transform and the high-pass part are written with non-temporal stores
+    # where the output is aligned for them, plainly where it is not: the same bytes either way,
+    # and the same as the maps transformed in a small batch (ordinary stores).
+    x = randn(2048, 32, 32, dtype=torch.float32, seed=11)  # 8 MiB
+    got = F.dct(x)
+    assert rel_error(got, scipy.fft.dctn(x.double().numpy(), type=2, norm="ortho", axes=(-2, -1))) <= 2e-6
+    assert torch.equal(got[:8], F.dct(x[:8]))
+    unaligned = torch.empty(x.numel() + 1)[1:].view(x.shape)  # 4 bytes off the allocation
+    assert torch.equal(F.dct(x, out=unaligned), got)
+    assert torch.equal(F.idct(got), F.idct(got, out=unaligned))
+    high = cpu_dct.highpass(x, 7, 7)
+    assert torch.equal(high, x - cpu_dct.idct_corner(cpu_dct.dct_corner(x, 7, 7), 32, 32))
+    assert torch.equal(high[:8], cpu_dct.highpass(x[:8], 7, 7))
+
+
+@needs_c
 @pytest.mark.parametrize("h,w", [(8, 8), (4, 4), (2, 2), (16, 8), (12, 4), (64, 8),  # narrow
                                  (6, 2), (7, 8), (3, 4), (66, 8)])  # rows left over: products
 def test_corner_kernels_on_maps_a_vector_holds_whole_rows_of(h, w):

@@ -86,6 +86,10 @@ _ASAN_DRIVER = textwrap.dedent("""
         D.idct_corner(corner, h, w)
         D.band_energy(x, max(1, h // 3), max(1, w // 3))
         D.highpass(x, max(1, h // 3), max(1, w // 3))
+    big = torch.randn(2**21 + 2**12)  # 8 MiB and more: streamed stores, their heads and tails
+    for x in (big[:2**21].view(2048, 32, 32), big[7:2**21 + 7].view(2048, 32, 32), big[:2280 * 920].view(2280, 8, 115)):
+        D.dct2(x, False, out=big.new_empty(x.numel() + 3)[3:].view(x.shape))
+        D.highpass(x, 2, 7)
     from freqact import codecs
     from freqact.engine.layouts import BLOCKS, STATS, TokenLayout
     for shape in [(1, 1, 1), (2, 7, 5), (2, 37, 20), (2, 6, 5, 16), (1, 3, 20, 8), (2, 130, 13)]:
