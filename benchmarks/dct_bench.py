@@ -5,10 +5,12 @@
 `freqact-out` (the same into a reused buffer, `dct(x, out=buf)`: no fresh output pages),
 `freqact-matmul` (its matmul reference path, FREQACT_KERNELS=torch; the path autograd uses), scipy
 and torch-dct. The methods take turns, one call each per round (drift on a shared machine reaches
-all alike). Prints a table (median and min time over the rounds, scipy's median over each
-method's, freqact's speed-up over each method, max relative error against a float64 scipy
-oracle, rel. error = max|a - b| / max|b|) and writes <out>/dct-<device>[-<N>thread].json
-(default out: benchmarks/results).
+all alike); then each method is also timed alone, `repeats` calls in a row, as timeit would
+(scipy then runs with its own data warm in the caches, which the turns deny it). Prints a table
+(median and min time over the rounds, scipy's median over each method's, the same ratio timed
+alone, freqact's speed-up over each method, max relative error against a float64 scipy oracle,
+rel. error = max|a - b| / max|b|) and writes <out>/dct-<device>[-<N>thread].json (default out:
+benchmarks/results).
 
     python -m benchmarks.dct_bench                # CPU
     python -m benchmarks.dct_bench --device cuda  # freqact/torch-dct on the GPU, scipy on the CPU
@@ -114,6 +116,8 @@ def run(
                 sync = None if name == "scipy" else device
                 times[name].append(median_time(fn, warmup=0, repeats=1, device=sync))
         median = {name: float(np.median(seconds)) for name, seconds in times.items()}
+        alone = {name: median_time(fn, warmup=1, repeats=repeats, device=None if name == "scipy" else device)
+                 for name, fn in methods.items()}
         for name, seconds in times.items():
             rows.append(
                 {
@@ -123,6 +127,8 @@ def run(
                     "median_ms": median[name] * 1e3,
                     "min_ms": min(seconds) * 1e3,
                     "speedup_over_scipy": median["scipy"] / median[name],
+                    "alone_median_ms": alone[name] * 1e3,
+                    "alone_speedup_over_scipy": alone["scipy"] / alone[name],
                     "freqact_speedup": median[name] / median["freqact"],
                     "max_rel_error": errors[name],
                 }
@@ -146,11 +152,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     rows = run(args.device, args.warmup, args.repeats, workers=args.threads or -1)
     print_table(
-        ["shape", "method", "device", "median ms", "min ms", "scipy / this", "freqact speed-up",
-         "max rel. error"],
+        ["shape", "method", "device", "median ms", "min ms", "scipy / this", "alone ms",
+         "scipy / this alone", "freqact speed-up", "max rel. error"],
         [
             ["x".join(map(str, r["shape"])), r["method"], r["device"], r["median_ms"], r["min_ms"],
-             r["speedup_over_scipy"], r["freqact_speedup"], r["max_rel_error"]]
+             r["speedup_over_scipy"], r["alone_median_ms"], r["alone_speedup_over_scipy"],
+             r["freqact_speedup"], r["max_rel_error"]]
             for r in rows
         ],
     )
