@@ -7,10 +7,11 @@ graph holds exactly the bytes eager training holds for the same tensor. They tak
 plain tensors: (lfc, lo, step, codes), the parts of `LayoutPacked` without a head.
 
 Noise: as `ops.division_encode`, the encode takes an int64 seed tensor drawn in the graph (a
-Python int would be a graph constant: every step would reuse one noise stream); the op seeds
-torch's generators with it for the call (and restores them), so `torch.manual_seed(seed)` before
-the eager `TokenLayout.encode` gives the same bytes (the C and Triton kernels draw their own
-noise from a seed taken from the generator: no noise tensor is made).
+Python int would be a graph constant: every step would reuse one noise stream) and passes it to
+`TokenLayout.encode(x, seed=...)`, which draws from private generators seeded with it, so the
+eager `TokenLayout.encode(x, seed=seed)` gives the same bytes, and torch's own generators are
+neither read nor reseeded (reseeding them per call cost ~0.4 ms: `torch.manual_seed` queues a
+seeding of each lazily initialised device backend with a stack trace).
 """
 from __future__ import annotations
 
@@ -57,17 +58,14 @@ def layout_encode(x: torch.Tensor, layout: str, block: int, bits: int, seed: tor
         x: floating (M, T, F) token view.
         layout: one of LAYOUTS; block, bits: division's B and Q; backend as in
             `freqact.kernels.division_encode`.
-        seed: int64 scalar tensor: torch's generators are seeded with it for the call.
+        seed: int64 scalar tensor: `TokenLayout.encode`'s seed (modulo 2**63).
 
     Returns:
         (lfc, lo, step, codes): bf16 block means of the block view, bf16 (M, S) min and step
         and uint8 (M, S, nbytes) codes of the stats view (S = F for `chan`, T for `tok`).
     """
     _views(tuple(x.shape), layout)  # checks layout
-    devices = [] if x.device.type == "cpu" else [x.device]
-    with torch.random.fork_rng(devices, device_type=x.device.type):
-        torch.manual_seed(int(seed) % 2**63)
-        p = layout_codec(layout, block, bits, backend).encode(x)
+    p = layout_codec(layout, block, bits, backend).encode(x, seed=int(seed) % 2**63)
     return p.lfc.lfc, p.quant.lo, p.quant.step, p.quant.codes
 
 

@@ -191,28 +191,38 @@ class TokenLayout(Codec):
         body = x[:, head:] if x.dim() == 3 else x
         return body.float().reshape(geom.panel)
 
-    def encode(self, x: torch.Tensor, noise: torch.Tensor | None = None) -> LayoutPacked:
+    def encode(self, x: torch.Tensor, noise: torch.Tensor | None = None,
+               seed: int | None = None) -> LayoutPacked:
         """Args: x (M, T, F) or (N, H, W, C) floating; noise: optional uniforms shaped like the
-        body's stats view ((M, T', F) for `tok`, (M, F, T') for `chan`, T' the body's tokens)."""
+        body's stats view ((M, T', F) for `tok`, (M, F, T') for `chan`, T' the body's tokens);
+        seed: None draws the noise from torch's default generators; an integer in [0, 2**63)
+        draws it from private generators seeded with it, torch's own left untouched (the
+        compiled graphs' per-step seed, `graph_ops.layout_encode`). On the fused CPU path that
+        gives the bytes `torch.manual_seed(seed)` before a seedless call gives."""
+        cpu_gen, device_gen = _generators(seed, x.device)
         if not self._fused(x):
-            return self._encode_torch(x, noise)
+            return self._encode_torch(x, noise, device_gen)
         d = self.division
         geom, head, view, block = self._geometry(tuple(x.shape))
         _check_noise(noise, geom.quant_shape)
         head_packed = (kernels.division_encode(x[:, :head], d.block, d.bits,
+                                               seed=kernels._seed(None, cpu_gen),
                                                backend=d._kernels) if head else None)
         lfc, lo, step, codes = cpu.token_encode(self._panel(x, head, geom), geom, d.bits, noise,
-                                                kernels._seed(noise))
+                                                kernels._seed(noise, cpu_gen))
         quant = QuantPacked(lo, step, codes, torch.Size(geom.quant_shape), torch.float32, d.bits)
         return LayoutPacked(LfcPacked(lfc, torch.Size(view), torch.float32, block), quant,
                             head_packed, x.shape, x.dtype)
 
-    def _encode_torch(self, x: torch.Tensor, noise: torch.Tensor | None) -> LayoutPacked:
-        """The two kernels of the format on their views (the specification of the fused path)."""
+    def _encode_torch(self, x: torch.Tensor, noise: torch.Tensor | None,
+                      generator: torch.Generator | None) -> LayoutPacked:
+        """The two kernels of the format on their views (the specification of the fused path);
+        with a generator, the uniforms are drawn from it."""
         blocks, head, grid = self._plan(tuple(x.shape))
         d = self.division
         body = x.flatten(1, 2) if x.dim() == 4 else x
         head_packed = (kernels.division_encode(body[:, :head], d.block, d.bits,
+                                               _uniforms(body[:, :head].shape, generator, x),
                                                backend=d._kernels) if head else None)
         body = body[:, head:].float()
         w, block = self._block_view(body, blocks, grid)
@@ -220,8 +230,10 @@ class TokenLayout(Codec):
         h = body - self._from_block_view(kernels.division_decode(lfc), blocks)
         if not bool(h.isfinite().all()):  # the format's edge rule: a finite x's residual saturates
             h = torch.where(h.isinf() & body.isfinite(), h.sign() * FLT_MAX, h)
-        h = h.transpose(1, 2) if self.stats == "chan" else h
-        quant = kernels.quantize_encode(h.contiguous(), d.bits, noise, backend=d._kernels)
+        h = (h.transpose(1, 2) if self.stats == "chan" else h).contiguous()
+        if noise is None:
+            noise = _uniforms(h.shape, generator, x)
+        quant = kernels.quantize_encode(h, d.bits, noise, backend=d._kernels)
         return LayoutPacked(LfcPacked(lfc.lfc, lfc.shape, torch.float32, lfc.block), quant,
                             head_packed, x.shape, x.dtype)
 
@@ -293,6 +305,32 @@ def _fused_geometry(blocks: str, stats: str, b: int, shape: tuple[int, ...]
     geom = cpu.TokenGeometry((m, h, w, f), extents, tuple(lfc.lfc_shape), strides,
                              stats == "chan")
     return geom, head, view, block
+
+
+def _generators(seed: int | None, device: torch.device
+                ) -> tuple[torch.Generator | None, torch.Generator | None]:
+    """(CPU generator, generator of device) seeded with seed (one generator on the CPU; the
+    fused kernels' seeds are drawn on the CPU, as `kernels._seed` draws them), or (None, None)
+    for torch's default generators. A fresh generator per call: no state outlives the call, and
+    seeding one costs microseconds (`torch.manual_seed` also queues a seeding of every lazily
+    initialised device backend, with a stack trace each: ~0.4 ms per call)."""
+    if seed is None:
+        return None, None
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed: expected None or an integer in [0, 2**63), got {seed!r}")
+    cpu_gen = torch.Generator().manual_seed(seed)
+    if device.type == "cpu":
+        return cpu_gen, cpu_gen
+    return cpu_gen, torch.Generator(device).manual_seed(seed)
+
+
+def _uniforms(shape: torch.Size, generator: torch.Generator | None, like: torch.Tensor
+              ) -> torch.Tensor | None:
+    """float32 uniforms of shape drawn from generator on like's device, in logical order (as the
+    reference draws them), or None without a generator (the kernels then draw their own)."""
+    if generator is None:
+        return None
+    return torch.rand(shape, generator=generator, device=like.device)
 
 
 def _check_noise(noise: object, shape: tuple[int, ...]) -> None:

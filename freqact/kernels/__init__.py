@@ -161,10 +161,13 @@ def _count(name: str, value: object) -> int:
     return int(value)
 
 
-def _seed(noise: torch.Tensor | None) -> int:
-    """The noise-stream seed of a fused kernel: drawn from torch's default CPU generator, so
-    every call differs and torch.manual_seed makes runs reproducible (unused when noise given)."""
-    return 0 if noise is not None else int(torch.randint(2**62, (), dtype=torch.int64))
+def _seed(noise: torch.Tensor | None, generator: torch.Generator | None = None) -> int:
+    """The noise-stream seed of a fused kernel: drawn from `generator` (a CPU generator; default:
+    torch's default CPU generator), so every call differs and torch.manual_seed makes runs
+    reproducible (unused when noise given)."""
+    if noise is not None:
+        return 0
+    return int(torch.randint(2**62, (), dtype=torch.int64, generator=generator))
 
 
 def _seed_value(seed: object) -> int:
