@@ -95,6 +95,36 @@ def test_pack_bits_layout_of_the_mask_kernel():
         assert torch.equal(compiled.unpack_bits(bits, (1, n)), mask.view(1, -1))
 
 
+@pytest.mark.parametrize("backend", sorted({BACKEND, "torch"}))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_decode_with_a_relu_mask_is_where_after_the_decode(backend, dtype):
+    # the relu-mask route's decode: the C kernels apply the mask in their decode pass, bit for
+    # bit what torch.where after the plain decode gives (540 elements: a partial last byte;
+    # NaN and Inf blocks; decoded values below the dtype's smallest normal where x > 0)
+    from freqact.engine import compiled
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 9, 10, generator=gen).relu()
+    clean = OPS.division_encode(x, 4, 2, None, torch.tensor(9), backend)
+    _opcheck(OPS.division_decode.default,  # (opcheck compares outputs without equal_nan)
+             (*clean, list(x.shape), x.dtype, 4, 2, backend, compiled.pack_bits(x > 0)))
+    x[0, 0, 0, :3] = torch.tensor([float("nan"), 1e-30, float("inf")])
+    x[1, 2, 4, 4] = 1e-6
+    x = x.to(dtype)
+    mask = compiled.pack_bits(x > 0)
+    parts = OPS.division_encode(x, 4, 2, None, torch.tensor(9), backend)
+    args = (*parts, list(x.shape), dtype, 4, 2, backend)
+    got = OPS.division_decode(*args, mask)
+    plain = OPS.division_decode(*args)
+    want = torch.where(compiled.unpack_bits(mask, x.shape),
+                       plain.clamp_min(torch.finfo(dtype).tiny), 0.0)
+    assert got.dtype == dtype and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(got == 0, ~(x > 0)) and got.isnan().any()
+    with pytest.raises((TypeError, ValueError), match="positive"):
+        OPS.division_decode(*args, mask[:-1])
+
+
 def test_graph_relu_output_keeps_exact_signs():
     # ReLU's backward reads `out > 0` from the saved output: the decoded output must give the
     # same mask bit for bit (zeros exactly zero, the rest > 0), so its gradient mask is exact.
@@ -199,7 +229,7 @@ class _Spy:
     """Records the C kernels' encode outputs and decode inputs as the compiled graph calls them."""
 
     def __init__(self, monkeypatch):
-        self.encoded, self.decoded = [], []
+        self.encoded, self.decoded, self.masked = [], [], 0
         encode, decode = cpu.encode, cpu.decode
 
         def spy_encode(x, geom, bits, noise, seed):
@@ -207,9 +237,10 @@ class _Spy:
             self.encoded.append((x.clone(), seed, [t.clone() for t in out]))
             return out
 
-        def spy_decode(lfc, lo, step, codes, geom, bits, dtype):
+        def spy_decode(lfc, lo, step, codes, geom, bits, dtype, positive=None):
             self.decoded.append([t.clone() for t in (lfc, lo, step, codes)])
-            return decode(lfc, lo, step, codes, geom, bits, dtype)
+            self.masked += positive is not None
+            return decode(lfc, lo, step, codes, geom, bits, dtype, positive)
 
         monkeypatch.setattr(cpu, "encode", spy_encode)
         monkeypatch.setattr(cpu, "decode", spy_decode)
@@ -237,6 +268,7 @@ def test_compiled_division_holds_the_eager_codec_bytes(monkeypatch):
     # the meter's rows: the first conv's output, its division bytes against its own
     rows = {row.layer: row for row in meter.per_layer()}
     assert rows["0"].routes == ("division",) and rows["2"].routes == ("relu-mask",)
+    assert spy.masked >= 1  # the ReLU output's mask applied in the C decode's pass
     coded = K.division_encode(first_conv, 4, 2, seed=0, backend="cpu")
     assert rows["0"].exact_bytes == first_conv.nbytes
     assert rows["0"].saved_bytes == sum(getattr(coded, n).nbytes for n in

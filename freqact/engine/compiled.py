@@ -244,12 +244,11 @@ def _graph_unpack(packed, name: str, block: int, bits: int, backend: str, thresh
         x = torch.ops.freqact.layout_decode(*parts, view, dtype, layout, block, bits, backend)
         return x.view(shape)
     lfc, lo, step, codes, shape, dtype, *positive = packed
-    x = torch.ops.freqact.division_decode(lfc, lo, step, codes, list(shape), dtype, block, bits,
-                                          backend)
-    if not positive:
-        return x
-    # a ReLU output: exactly zero where it was, strictly positive elsewhere
-    return torch.where(unpack_bits(positive[0], shape), x.clamp_min(torch.finfo(dtype).tiny), 0.0)
+    # a ReLU output (with its mask): exactly zero where it was, strictly positive elsewhere,
+    # applied in the decode's own pass (as aten ops after it, Inductor's scalar loop over the
+    # bits cost as much as the decode)
+    return torch.ops.freqact.division_decode(lfc, lo, step, codes, list(shape), dtype, block,
+                                             bits, backend, positive[0] if positive else None)
 
 
 @functools.cache

@@ -61,7 +61,7 @@ COMPILE_TIMEOUT_S = 120.0
 _i64, _int, _u64, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p
 _SIGNATURES = {
     "freqact_division_encode": ([_ptr, _int] + [_ptr] * 2 + [_u64] + [_ptr] * 4 + [_int], _int),
-    "freqact_division_decode": ([_ptr, _int] + [_ptr] * 5 + [_int], _int),
+    "freqact_division_decode": ([_ptr, _int] + [_ptr] * 5 + [ctypes.c_float, _ptr, _int], _int),
     "freqact_pack_codes": ([_i64, _i64, _int, _ptr, _ptr, _int], None),
     "freqact_unpack_codes": ([_i64, _i64, _int, _ptr, _ptr, _int], None),
     "freqact_pack_mask": ([_i64, _ptr, ctypes.c_float, _int, ctypes.c_float, _ptr, _int], None),
@@ -307,21 +307,44 @@ def encode(x: torch.Tensor, geom: Geometry, bits: int, noise: torch.Tensor | Non
     return lfc, lo, step, codes
 
 
+POSITIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes `decode` applies a ReLU mask for: their smallest normal is a float32 that each
+rounds to itself, so clamping in float32 before the cast equals clamping after it."""
+
+
 def decode(lfc: torch.Tensor | None, lo: torch.Tensor, step: torch.Tensor, codes: torch.Tensor,
-           geom: Geometry, bits: int, dtype: torch.dtype) -> torch.Tensor:
+           geom: Geometry, bits: int, dtype: torch.dtype,
+           positive: torch.Tensor | None = None) -> torch.Tensor:
     """As `reference.decode` for forms with codes (lfc None: the quant form).
+
+    Args:
+        positive: None, or a ReLU output's mask applied in the same pass: uint8
+            (ceil(numel / 8),), element i at bit i % 8 of byte i // 8 (`pack_mask`'s layout);
+            the result is then `torch.where(mask, decoded.clamp_min(finfo(dtype).tiny), 0)`
+            (dtype one of POSITIVE_DTYPES).
 
     Returns:
         Contiguous maps (N, C, *S) of dtype on the CPU.
+
+    Raises:
+        TypeError, ValueError: positive of another dtype, size or device, or with a dtype it
+            cannot serve.
     """
     lib = _lib()
     args = _geometry_args(geom, bits)
     out = torch.empty([geom.n, geom.c, *geom.spatial], dtype=torch.float32)
     tensors = [t.contiguous() for t in (lo, step, codes)]
     lfc = None if lfc is None else lfc.contiguous()
+    tiny = 0.0
+    if positive is not None:
+        _check_part("positive", positive, torch.uint8, [-(-out.numel() // 8)],
+                    torch.device("cpu"))
+        if dtype not in POSITIVE_DTYPES:
+            raise ValueError(f"positive: a mask needs a dtype in {POSITIVE_DTYPES}, got {dtype}")
+        positive, tiny = positive.contiguous(), torch.finfo(dtype).tiny
     status = lib.freqact_division_decode(
         args, bits, None if lfc is None else lfc.data_ptr(), *(t.data_ptr() for t in tensors),
-        out.data_ptr(), _threads())
+        None if positive is None else positive.data_ptr(), tiny, out.data_ptr(), _threads())
     if status != 0:
         raise MemoryError("division_decode: out of memory for the per-thread scratch buffers")
     return saturating_cast(out, dtype)

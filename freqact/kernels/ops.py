@@ -16,9 +16,11 @@ eager code and in a graph; the reference ignores the seed and draws torch.rand.
 `freqact.kernels` for CUDA tensors. Importing this module does not import triton.
 """
 
+import math
+
 import torch
 
-from freqact.kernels.format import Geometry, geometry
+from freqact.kernels.format import Geometry, _check_part, check_packed, geometry
 
 __all__ = ["decode", "division_decode", "division_encode", "encode", "pack_mask",
            "unpack_mask"]
@@ -75,16 +77,38 @@ def _division_encode_fake(x, block, bits, noise, seed, backend="auto"):
 @torch.library.custom_op("freqact::division_decode", mutates_args=())
 def division_decode(lfc: torch.Tensor, lo: torch.Tensor, step: torch.Tensor,
                     codes: torch.Tensor, shape: list[int], dtype: torch.dtype, block: int,
-                    bits: int, backend: str = "auto") -> torch.Tensor:
+                    bits: int, backend: str = "auto",
+                    positive: torch.Tensor | None = None) -> torch.Tensor:
     """`freqact.kernels.division_decode` of the full form as an op: a contiguous (shape) tensor
-    of dtype."""
+    of dtype.
+
+    Args:
+        positive: None, or a ReLU output's 1-bit `> 0` mask (uint8, `pack_mask`'s layout): the
+            result is then `torch.where(mask, decoded.clamp_min(finfo(dtype).tiny), 0)`, exactly
+            zero where the output was and positive elsewhere; the C kernels apply it in the
+            decode's own pass (float32, bfloat16, float16), other backends and dtypes after it.
+    """
     kernels = _kernels()
     packed = kernels.DivisionPacked(lfc, lo, step, codes, torch.Size(shape), dtype, block, bits)
-    return _fresh(kernels.division_decode(packed, backend=backend), lfc, lo, step, codes)
+    inputs = (lfc, lo, step, codes, positive)
+    if positive is not None:  # its bytes, before any backend reads them
+        _check_part("positive", positive, torch.uint8, [-(-math.prod(shape) // 8)], codes.device)
+    if (positive is not None and dtype in kernels.cpu.POSITIVE_DTYPES and lfc.numel()
+            and kernels.backend_for(codes, backend) == "cpu"):
+        out = kernels.cpu.decode(lfc, lo, step, codes, check_packed(packed), bits, dtype,
+                                 positive)
+        return _fresh(out.reshape(shape), *inputs)
+    out = kernels.division_decode(packed, backend=backend)
+    if positive is not None:
+        mask = kernels.unpack_mask(positive, out.shape, torch.float32, 0.0, 1.0,
+                                   backend=backend) != 0
+        out = torch.where(mask, out.clamp_min(torch.finfo(dtype).tiny), 0.0)
+    return _fresh(out, *inputs)
 
 
 @division_decode.register_fake
-def _division_decode_fake(lfc, lo, step, codes, shape, dtype, block, bits, backend="auto"):
+def _division_decode_fake(lfc, lo, step, codes, shape, dtype, block, bits, backend="auto",
+                          positive=None):
     return lfc.new_empty(shape, dtype=dtype)
 
 
