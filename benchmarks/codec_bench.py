@@ -120,12 +120,17 @@ def measure_memory(name: str, batch: int, shape: tuple, mode: str, device: str) 
             "meter_bytes": metered}
 
 
-def _memory_in_fresh_process(name: str, batch: int, mode: str, device: str) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    cmd = [sys.executable, "-m", "benchmarks.codec_bench", "--memory-case", name, str(batch), mode,
-           "--device", device]
-    out = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, capture_output=True, text=True)
+def _in_fresh_process(args: list[str], env: dict | None = None):
+    """The JSON this script prints last when run as `python -m benchmarks.codec_bench *args` in
+    a new interpreter (its stderr goes to ours, so a failure shows its traceback)."""
+    cmd = [sys.executable, "-m", "benchmarks.codec_bench", *args]
+    out = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, stdout=subprocess.PIPE, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _memory_in_fresh_process(name: str, batch: int, mode: str, device: str) -> dict:
+    return _in_fresh_process(["--memory-case", name, str(batch), mode, "--device", device],
+                             env=dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536"))
 
 
 def codec_speed(device: str, repeats: int) -> dict:
@@ -204,12 +209,9 @@ def spectral_step_times(device: str, rounds: int, batch: int | None = None) -> d
 def _spectral_in_fresh_process(device: str, rounds: int, threads: int | None,
                                batch: int | None) -> dict:
     """spectral_step_times in a new interpreter: {mode: seconds}."""
-    cmd = [sys.executable, "-m", "benchmarks.codec_bench", "--spectral-process", "--device", device,
-           "--repeats", str(rounds)]
-    cmd += [] if threads is None else ["--threads", str(threads)]
-    cmd += [] if batch is None else ["--spectral-batch", str(batch)]
-    out = subprocess.run(cmd, cwd=REPO_ROOT, check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    args = ["--spectral-process", "--device", device, "--repeats", str(rounds)]
+    args += [] if threads is None else ["--threads", str(threads)]
+    return _in_fresh_process(args + ([] if batch is None else ["--spectral-batch", str(batch)]))
 
 
 def _spectral_main(device: str, rounds: int, threads: int | None, out: str | None,
@@ -266,7 +268,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--spectral", action="store_true",
                         help="only the lfc/hfc training-step times (ResNet-20, batch 128)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
-    parser.add_argument("--processes", type=int, default=5,
+    parser.add_argument("--processes", type=int, default=None,
                         help="--spectral: fresh processes to measure in (default 5; 1: this one)")
     parser.add_argument("--out", default=None,
                         help="folder of the --spectral JSON results (default benchmarks/results)")
@@ -279,6 +281,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device available")
+    for name in ("processes", "spectral_batch"):
+        if getattr(args, name) is not None and not (args.spectral or args.spectral_process):
+            parser.error(f"--{name.replace('_', '-')}: only with --spectral")
     for name in ("repeats", "threads", "processes", "spectral_batch"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -294,8 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(spectral_step_times(args.device, args.repeats, args.spectral_batch)))
         return 0
     if args.spectral:
-        return _spectral_main(args.device, args.repeats, args.threads, args.out, args.processes,
-                              args.spectral_batch)
+        return _spectral_main(args.device, args.repeats, args.threads, args.out,
+                              5 if args.processes is None else args.processes, args.spectral_batch)
     if args.memory_case:
         name, batch, mode = args.memory_case
         shape = dict((n, s) for n, _, s in MEMORY_CASES)[name]

@@ -96,7 +96,8 @@ def run(
     """Time every method on every shape; return one dict per (shape, method).
 
     Each method gets `warmup` untimed calls, then `repeats` rounds in which every method runs
-    once. `workers` is scipy's thread count (-1: every core); set torch's with
+    once; then each method alone, `warmup` untimed and `repeats` timed calls in a row ("alone"
+    columns). `workers` is scipy's thread count (-1: every core); set torch's with
     torch.set_num_threads.
     """
     generator = torch.Generator().manual_seed(seed)
@@ -116,7 +117,8 @@ def run(
                 sync = None if name == "scipy" else device
                 times[name].append(median_time(fn, warmup=0, repeats=1, device=sync))
         median = {name: float(np.median(seconds)) for name, seconds in times.items()}
-        alone = {name: median_time(fn, warmup=1, repeats=repeats, device=None if name == "scipy" else device)
+        alone = {name: median_time(fn, warmup=warmup, repeats=repeats,
+                                   device=None if name == "scipy" else device)
                  for name, fn in methods.items()}
         for name, seconds in times.items():
             rows.append(

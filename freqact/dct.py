@@ -324,10 +324,18 @@ def lowpass_synthesis(coeffs: torch.Tensor, sizes: Sequence[int]) -> torch.Tenso
     kept = tuple(coeffs.shape[coeffs.dim() - dims :])
     if any(w > n for w, n in zip(kept, sizes)):
         raise ValueError(f"sizes: expected sizes >= the coefficients' {kept}, got {sizes}")
-    lead = coeffs.shape[: coeffs.dim() - dims]
-    if _fast(coeffs, dims):
+    return _synthesis(coeffs, sizes)
+
+
+def _synthesis(coeffs: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+    """lowpass_synthesis without its argument checks (for callers that made them): the C kernel
+    when the coefficients and the output sizes allow it, else the padded inverse DCT."""
+    dims = len(sizes)
+    if _fast(coeffs, dims) and max(sizes) <= cpu_dct.MAX_SIZE:
+        lead = coeffs.shape[: coeffs.dim() - dims]
         out = cpu_dct.idct_corner(_as_2d(coeffs, dims), *((1,) * (2 - dims) + sizes))
         return out.view(*lead, *sizes).to(coeffs.dtype)
+    kept = coeffs.shape[coeffs.dim() - dims :]
     pad = [p for w, n in zip(reversed(kept), reversed(sizes)) for p in (0, n - w)]
     return idct(torch.nn.functional.pad(coeffs, pad), dims)
 

@@ -48,20 +48,27 @@ def test_spectral_mode_writes_its_table_and_json(tmp_path, monkeypatch, capsys):
     assert "vs normal" in capsys.readouterr().out
 
 
-def test_spectral_ratios_come_from_fresh_processes_with_their_median_and_range(tmp_path):
-    argv = ["--spectral", "--repeats", "1", "--processes", "3", "--spectral-batch", "2",
-            "--out", str(tmp_path)]
+def test_spectral_ratios_come_from_fresh_processes_with_their_median_and_range(tmp_path, monkeypatch):
+    # One real fresh process, then three faked ones for the arithmetic of median and range.
+    real = codec_bench._spectral_in_fresh_process("cpu", 1, 1, 2)
+    assert set(real) == set(codec_bench.SPECTRAL_MODES) and all(s > 0 for s in real.values())
+    runs = iter([{"normal": 1.0, "lfc": 1.2, "hfc": 1.5}, {"normal": 2.0, "lfc": 2.2, "hfc": 2.4},
+                 {"normal": 1.0, "lfc": 1.4, "hfc": 1.1}])
+    monkeypatch.setattr(codec_bench, "_spectral_in_fresh_process", lambda *args: next(runs))
+    argv = ["--spectral", "--repeats", "1", "--processes", "3", "--out", str(tmp_path)]
     assert codec_bench.main(argv) == 0
     document = json.loads((tmp_path / "codec-spectral-cpu.json").read_text())
-    runs = document["per_process"]
-    assert document["settings"]["processes"] == 3 and len(runs) == 3
-    for mode in ("lfc", "hfc"):
-        ratios = sorted(run["step_seconds"][mode] / run["step_seconds"]["normal"] for run in runs)
-        assert document["step_vs_normal"][mode] == pytest.approx(ratios[1])
-        assert document["step_vs_normal_range"][mode] == pytest.approx([ratios[0], ratios[-1]])
+    assert document["settings"]["processes"] == 3 and len(document["per_process"]) == 3
+    assert document["step_vs_normal"]["lfc"] == pytest.approx(1.2)
+    assert document["step_vs_normal_range"]["lfc"] == pytest.approx([1.1, 1.4])
+    assert document["step_vs_normal"]["hfc"] == pytest.approx(1.2)
+    assert document["step_vs_normal_range"]["hfc"] == pytest.approx([1.1, 1.5])
+    assert document["step_seconds"]["normal"] == pytest.approx(1.0)
 
 
-def test_spectral_process_count_is_checked(capsys):
+@pytest.mark.parametrize("argv", [["--spectral", "--processes", "0"], ["--processes", "2"],
+                                  ["--spectral-batch", "2"]])
+def test_spectral_process_options_are_checked(capsys, argv):
     with pytest.raises(SystemExit) as exit_info:
-        codec_bench.main(["--spectral", "--processes", "0"])
-    assert exit_info.value.code == 2 and "--processes" in capsys.readouterr().err
+        codec_bench.main(argv)
+    assert exit_info.value.code == 2 and argv[-2] in capsys.readouterr().err

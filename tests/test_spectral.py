@@ -157,3 +157,12 @@ def test_lfc_corner_checks_finiteness_in_the_kernel_and_keeps_the_edge_rule():
     assert packed.scale_exp > 0 and bool(packed.pieces[0].isfinite().all())
     torch.testing.assert_close(codec.decode(packed), dct.lowpass(big.double(), 0.25).float(),
                                rtol=1e-5, atol=1e-5 * 3e38)
+
+
+def test_lfc_decodes_maps_longer_than_the_c_kernels_take():
+    # A corner the C kernel could take, of maps it cannot (sizes above cpu_dct.MAX_SIZE): the
+    # decode runs the padded inverse DCT instead of refusing.
+    x = torch.randn(2, 3, 2000, generator=torch.Generator().manual_seed(3))
+    codec = codecs.get("lfc", ratio=0.25)
+    torch.testing.assert_close(codec.decode(codec.encode(x)), dct.lowpass(x.double(), 0.25, 1).float(),
+                               rtol=1e-4, atol=1e-5)

@@ -119,17 +119,6 @@ def _lowpass_corner(maps: torch.Tensor, windows: tuple[int, ...]) -> tuple[torch
     return _scaled(lambda m: dct.lowpass_coefficients(m, windows), maps)
 
 
-def _lowpass_part(low: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
-    """The inverse DCT of each map's corner coefficients `low` (N, C, *W) in a zero spectrum of
-    `spatial` sizes: (N, C, *spatial), float32 for half precision (`dct.lowpass_synthesis`; float32
-    CPU corners call its C kernel directly, without its argument checks, which encode has made)."""
-    dims = len(spatial)
-    if low.dtype == torch.float32 and _fast(low, dims):
-        out = cpu_dct.idct_corner(_as_2d(low, dims), *((1,) * (2 - dims) + tuple(spatial)))
-        return out.view(*low.shape[: low.dim() - dims], *spatial)
-    return dct.lowpass_synthesis(low.to(_wide(low.dtype)), spatial)
-
-
 def _highpass(x: torch.Tensor, windows: tuple[int, ...]) -> torch.Tensor:
     """x - iDCT(the corner `windows` of DCT(x)) per map: the high-pass part, x's shape and dtype.
 
@@ -184,7 +173,8 @@ class _Spectral(Codec):
             return high if high.shape == packed.shape else high.new_zeros(packed.shape)
         low = packed.pieces[0]
         with torch.no_grad():
-            x_hat = _lowpass_part(low, tuple(maps_shape(packed.shape)[2:]))
+            # dct.lowpass_synthesis without its checks (encode made them), float32 for half types
+            x_hat = dct._synthesis(low.to(_wide(low.dtype)), tuple(maps_shape(packed.shape)[2:]))
             return saturating_cast(_unscaled(x_hat, packed.scale_exp), low.dtype).reshape(packed.shape)
 
 

@@ -25,7 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__AVX__)
-#include <immintrin.h> /* non-temporal stores (`stream_store`) */
+#include <immintrin.h> /* non-temporal stores: `store_result` */
 #endif
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -403,15 +403,15 @@ static size_t scratch_floats(int64_t h, int64_t w) {
  * again only in backward) are written past the caches with non-temporal stores: ordinary stores
  * would first read every line of them (write-allocate) and evict the working set for data that
  * is not read soon, or would not fit in the cache with its input anyway. A map is computed into
- * per-thread scratch (in L1) and then streamed out; each thread calls stream_fence() before its
- * writes are read. (128, 64, 32, 32) at two threads, call after call: 9.3 -> 7.1 ms, best of 15,
- * on a loaded machine). */
+ * per-thread scratch (in L1 up to 32 x 32 maps) and then streamed out (`store_result`); each
+ * thread calls stream_fence() before its writes are read. (128, 64, 32, 32) at two threads, call
+ * after call: 9.3 -> 7.1 ms, best of 15, on a loaded machine. */
 #define STREAM_BYTES ((int64_t)8 << 20)
 
-/* y[0:n] = a[0:n] - b[0:n] (b NULL: y = a): plain stores up to y's first vector-aligned float,
- * then streamed whole vectors, then a plain tail. */
-static void stream_store(const float *restrict a, const float *restrict b, int64_t n,
-                         float *restrict y) {
+/* y[0:n] = a[0:n] - b[0:n] (b NULL: y = a). stream: plain stores up to y's first vector-aligned
+ * float, then streamed whole vectors, then a plain tail; else plain stores throughout. */
+static void store_result(const float *restrict a, const float *restrict b, int64_t n,
+                         float *restrict y, int stream) {
     int64_t i = 0;
 #if defined(__AVX512F__) || defined(__AVX__)
 #if defined(__AVX512F__)
@@ -419,17 +419,21 @@ static void stream_store(const float *restrict a, const float *restrict b, int64
 #else
     const int64_t width = 8;
 #endif
-    for (; i < n && ((uintptr_t)(y + i) & (uintptr_t)(width * 4 - 1)); i++)
-        y[i] = b ? a[i] - b[i] : a[i];
-    for (; i + width <= n; i += width) {
+    if (stream) {
+        for (; i < n && ((uintptr_t)(y + i) & (uintptr_t)(width * 4 - 1)); i++)
+            y[i] = b ? a[i] - b[i] : a[i];
+        for (; i + width <= n; i += width) {
 #if defined(__AVX512F__)
-        const __m512 v = _mm512_loadu_ps(a + i);
-        _mm512_stream_ps(y + i, b ? _mm512_sub_ps(v, _mm512_loadu_ps(b + i)) : v);
+            const __m512 v = _mm512_loadu_ps(a + i);
+            _mm512_stream_ps(y + i, b ? _mm512_sub_ps(v, _mm512_loadu_ps(b + i)) : v);
 #else
-        const __m256 v = _mm256_loadu_ps(a + i);
-        _mm256_stream_ps(y + i, b ? _mm256_sub_ps(v, _mm256_loadu_ps(b + i)) : v);
+            const __m256 v = _mm256_loadu_ps(a + i);
+            _mm256_stream_ps(y + i, b ? _mm256_sub_ps(v, _mm256_loadu_ps(b + i)) : v);
 #endif
+        }
     }
+#else
+    (void)stream;
 #endif
     for (; i < n; i++)
         y[i] = b ? a[i] - b[i] : a[i];
@@ -500,7 +504,7 @@ int freqact_dct(int64_t maps, int64_t h, int64_t w, const float *src, float *dst
                 float *out = stream ? tmp + scratch_floats(h, w) : dst + m * h * w;
                 map_transform(&ph, &pw, src + m * h * w, out, inverse, tmp, tmp + tmp_floats(h, w));
                 if (stream)
-                    stream_store(out, NULL, h * w, dst + m * h * w);
+                    store_result(out, NULL, h * w, dst + m * h * w, 1);
             }
         stream_fence();
         free(tmp);
@@ -608,9 +612,12 @@ static int make_narrow_plan(narrow_plan *p, int64_t h, int64_t w, int64_t wh, in
         return -1;
     }
     for (int64_t a = 0; a < wh; a++)
-        for (int64_t g = 0; g < p->groups; g++)
-            for (int64_t l = 0; l < LANES; l++)
-                p->col[(a * p->groups + g) * LANES + l] = (float)basis(a, g * slots + l / w, h);
+        for (int64_t i = 0; i < h; i++) { /* row i: slot i mod R of vector i / R */
+            const float d = (float)basis(a, i, h);
+            float *lanes = p->col + (a * p->groups + i / slots) * LANES + i % slots * w;
+            for (int64_t j = 0; j < w; j++)
+                lanes[j] = d;
+        }
     for (int64_t j = 0; j < w; j++)
         for (int64_t b = 0; b < ww; b++)
             p->row_t[j * LANES + b] = (float)basis(b, j, w);
@@ -620,12 +627,12 @@ static int make_narrow_plan(narrow_plan *p, int64_t h, int64_t w, int64_t wh, in
     return 0;
 }
 
-/* Per-thread scratch of a narrow map: T, S and the corner rows, wh vectors each. */
-static size_t narrow_scratch_floats(int64_t wh) { return (size_t)(3 * wh * LANES); }
+/* Per-thread scratch of a narrow map: T (then S) and the corner rows, wh vectors each. */
+static size_t narrow_scratch_floats(int64_t wh) { return (size_t)(2 * wh * LANES); }
 
-/* Lane l ^ 2^k: the butterfly steps that sum the row slots of a vector. */
-static const lane_index XOR_LANES[4] = {
-    {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14},
+/* Lane l ^ 2^k for k = 1, 2, 3 (XOR_LANES[k - 1]; w >= 2, so never k = 0): the butterfly steps
+ * that sum the row slots of a vector. */
+static const lane_index XOR_LANES[3] = {
     {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
     {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
     {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}};
@@ -644,9 +651,9 @@ narrow_columns_block(const narrow_plan *p, const float *restrict x, int64_t a0, 
             acc[r] += vload(p->col + ((a0 + r) * p->groups + g) * LANES) * xv;
     }
     for (int r = 0; r < rows; r++) {
-        for (int k = 0; k < 4; k++) /* slots are w lanes wide: partners 2^k >= w lanes apart */
+        for (int k = 1; k < 4; k++) /* slots are w lanes wide: partners 2^k >= w lanes apart */
             if ((1 << k) >= p->w)
-                acc[r] += __builtin_shuffle(acc[r], XOR_LANES[k]);
+                acc[r] += __builtin_shuffle(acc[r], XOR_LANES[k - 1]);
         vstore(t + (a0 + r) * LANES, acc[r]);
     }
 }
@@ -655,7 +662,7 @@ narrow_columns_block(const narrow_plan *p, const float *restrict x, int64_t a0, 
 static void narrow_corner(const narrow_plan *p, const float *restrict x, float *restrict s,
                           float *restrict corner) {
     const int64_t wh = p->wh, ww = p->ww;
-    float *t = s, *corner_rows = s + 2 * wh * LANES;
+    float *t = s, *corner_rows = s + wh * LANES;
     for (int64_t a0 = 0; a0 < wh; a0 += GROUP) {
         const int64_t rows = wh - a0 < GROUP ? wh - a0 : GROUP;
         if (rows == 4)
@@ -720,7 +727,6 @@ static int all_finite(const float *x, int64_t n) {
     return finite;
 }
 
-
 /* What `corner_maps` computes per map. */
 enum corner_job { CORNER, SYNTHESIS, HIGHPASS };
 
@@ -774,12 +780,8 @@ static int corner_maps(enum corner_job job, int64_t maps, int64_t h, int64_t w, 
                 else
                     map_synthesis(&p, c, r, synthesis);
             }
-            if (job == HIGHPASS && stream) {
-                stream_store(x, low, h * w, y);
-            } else if (job == HIGHPASS) {
-                for (int64_t i = 0; i < h * w; i++)
-                    y[i] = x[i] - low[i];
-            }
+            if (job == HIGHPASS)
+                store_result(x, low, h * w, y, stream);
         }
         stream_fence();
         free(scratch);
