@@ -556,6 +556,42 @@ def test_routes_are_built_once_so_a_tensor_saved_twice_is_packed_once():
     out.sum().backward()
 
 
+class SavedByTwoOps(nn.Module):
+    """A functional RMSNorm: pow and mul both save its input x, one packed form for two saves."""
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def test_a_tensor_saved_by_two_ops_is_decoded_once_per_backward(monkeypatch):
+    from freqact.engine.layouts import TokenLayout
+
+    counts, outputs = {"encode": 0, "decode": 0}, []
+    encode, decode = TokenLayout.encode, TokenLayout.decode
+
+    def counted_encode(self, x, *args, **kwargs):
+        counts["encode"] += 1
+        return encode(self, x, *args, **kwargs)
+
+    def counted_decode(self, packed):
+        counts["decode"] += 1
+        out = decode(self, packed)
+        outputs.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(TokenLayout, "encode", counted_encode)
+    monkeypatch.setattr(TokenLayout, "decode", counted_decode)
+    x = torch.randn(2, 64, 64, requires_grad=True)
+    with compress(SavedByTwoOps(), "division") as meter:
+        loss = SavedByTwoOps()(x).square().sum()
+    assert meter.by_route()["division tile/tok"]["count"] == 2 and counts["encode"] == 1
+    first = torch.autograd.grad(loss, x, retain_graph=True)[0]
+    assert counts["decode"] == 1  # both saves unpack the one decode
+    assert all(ref() is None for ref in outputs)  # not held once both have unpacked it
+    second = torch.autograd.grad(loss, x)[0]  # a retained graph decodes again, the same values
+    assert counts["decode"] == 2 and torch.equal(first, second)
+
+
 def test_maxpool_routes_are_cached_per_input_size():
     from freqact.engine import routes
 

@@ -39,15 +39,44 @@ _HOOKED_LOCK = threading.Lock()
 
 
 class _Packed:
-    """What a SavedVariable holds: its route and packed form (never the input itself)."""
+    """What a SavedVariable holds: its route and packed form (never the input itself).
 
-    __slots__ = ("__weakref__", "data", "memory_format", "route", "shape")
+    One packed form can back several SavedVariables (two ops saving the same tensor: RMSNorm's
+    pow and mul, the q/k/v projections' shared input; `_Compress._pack` dedups them): `uses`
+    counts them, and a backward decodes it once for all of them (`decoded`).
+    """
+
+    __slots__ = ("__weakref__", "_decoded", "_pending", "data", "memory_format", "route", "shape",
+                 "uses")
 
     def __init__(self, route: Route, data, memory_format=None, shape=None) -> None:
         self.route = route
         self.data = data
         self.memory_format = memory_format
         self.shape = shape  # the saved shape when the codec read a token view of it
+        self.uses = 1
+        self._decoded: torch.Tensor | None = None
+        self._pending = 0
+
+    def decoded(self) -> torch.Tensor:
+        """The codec's decode of `data`, computed once per round of `uses` unpacks.
+
+        The first unpack decodes and, when other SavedVariables share this form, holds the result
+        for them until the last of them has unpacked it (within one backward: the ops that saved
+        the same tensor are differentiated close together); a second backward over a retained
+        graph decodes again. Decoding never frees the packed form. Kept tensors (`Exact`) are
+        never held: their unpack checks the version at every call.
+        """
+        x = self._decoded
+        if x is not None:
+            self._pending -= 1
+            if self._pending == 0:
+                self._decoded = None
+            return x
+        x = self.route.codec.decode(self.data)
+        if self.uses > 1 and self.route.copies:
+            self._decoded, self._pending = x, self.uses - 1
+        return x
 
 
 def _memory_format(t: torch.Tensor):
@@ -70,8 +99,7 @@ def _encode(route: Route, t: torch.Tensor, view=None) -> _Packed:
 
 
 def _unpack(packed: _Packed) -> torch.Tensor:
-    # Decoding never frees the packed form, so retain_graph=True can unpack twice.
-    x = packed.route.codec.decode(packed.data)
+    x = packed.decoded()
     if packed.shape is not None:
         return x.view(packed.shape)
     if packed.route.channels:
@@ -340,6 +368,7 @@ class _Compress:
             if packed.shape is not None and packed.shape != t.shape:
                 # the same elements through another view of the storage: decode to t's shape
                 return _Packed(route, packed.data, shape=t.shape)
+            packed.uses += 1
             return packed
         packed = _encode(route, t, view)
         self._dedup[key] = (weakref.ref(storage), weakref.ref(packed))

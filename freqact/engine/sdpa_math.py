@@ -141,8 +141,12 @@ class MathSaves:
         saved: list[torch.Tensor] = []
 
         def keep(t: torch.Tensor) -> torch.Tensor:
+            # The rerun's graph is never differentiated: its SavedVariables hold the detached
+            # copy. Returning t itself, a saved output of its own node (the softmax's), would
+            # make the cycle node -> SavedVariable -> t -> node, which no garbage collector
+            # sees: every call's rerun graph and saves would leak (Swin: ~24 MB per step).
             saved.append(t.detach())
-            return t
+            return saved[-1]
         dropout = bool(call.dropout)
         with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH), torch.random.fork_rng(
                 devices=[], enabled=dropout), torch.autograd.graph.saved_tensors_hooks(

@@ -162,16 +162,29 @@ static void splitmix_uniforms(uint64_t seed, uint64_t first, int64_t n, float *u
 
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
+/* 16 lanes for the quantise loop (one step over a 16-token map) */
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
 
-/* Lane-wise `mask ? a : b` (mask lanes all ones or all zeros, as vector comparisons give). */
-static inline f32x8 select(i32x8 mask, f32x8 a, f32x8 b) {
-    i32x8 ai, bi;
-    memcpy(&ai, &a, sizeof ai);
-    memcpy(&bi, &b, sizeof bi);
-    const i32x8 r = (mask & ai) | (~mask & bi);
-    f32x8 out;
-    memcpy(&out, &r, sizeof out);
-    return out;
+/* Lane-wise `mask ? a : b` (mask lanes all ones or all zeros, as vector comparisons give), for 8
+ * lanes (select) and 16 (select16). */
+#define DEFINE_SELECT(name, f32xn, i32xn)                        \
+    static inline f32xn name(i32xn mask, f32xn a, f32xn b) { \
+        i32xn ai, bi;                                        \
+        memcpy(&ai, &a, sizeof ai);                          \
+        memcpy(&bi, &b, sizeof bi);                          \
+        const i32xn r = (mask & ai) | (~mask & bi);          \
+        f32xn out;                                           \
+        memcpy(&out, &r, sizeof out);                        \
+        return out;                                          \
+    }
+DEFINE_SELECT(select, f32x8, i32x8)
+DEFINE_SELECT(select16, f32x16, i32x16)
+
+/* v as 16 lanes */
+static inline f32x16 splat16(float v) {
+    return (f32x16){v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v};
 }
 
 /* --- encode: block means and residual ----------------------------------------------------- */
@@ -327,6 +340,26 @@ static inline uint8_t quantize(float h, float u, float lo, float divisor, float 
     return (uint8_t)(int)t; /* t >= 0: truncation is the floor */
 }
 
+/* q[i] = quantize(h[i], u[i], lo, divisor, qmax) for i < n: 16 lanes at a time with the same
+ * float operations (so the same codes), the rest one by one. Written with vector types because
+ * the compiler leaves the plain loop scalar for the short maps of the token layouts (16 tokens). */
+static void quantize_row(int64_t n, const float *h, const float *u, float lo, float divisor,
+                         float qmax, uint8_t *q) {
+    const f32x16 vlo = splat16(lo), vdiv = splat16(divisor), vmax = splat16(qmax), zero = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        f32x16 hv, uv;
+        memcpy(&hv, h + i, sizeof hv);
+        memcpy(&uv, u + i, sizeof uv);
+        f32x16 t = uv + (hv - vlo) / vdiv;
+        t = select16(t > zero, t, zero); /* NaN -> 0 */
+        t = select16(t < vmax, t, vmax);
+        const u8x16 c = __builtin_convertvector(__builtin_convertvector(t, i32x16), u8x16);
+        memcpy(q + i, &c, sizeof c);
+    }
+    for (; i < n; i++) q[i] = quantize(h[i], u[i], lo, divisor, qmax);
+}
+
 /* h: the map's residual (n floats); u: its uniforms; q: scratch of n bytes. */
 static void quantize_map(int64_t n, int bits, const float *h, const float *u, uint8_t *q,
                          uint16_t *lo_out, uint16_t *step_out, uint8_t *codes) {
@@ -368,7 +401,7 @@ static void quantize_map(int64_t n, int bits, const float *h, const float *u, ui
     const float divisor = step_f == 0.0f ? 1.0f : step_f;
     *lo_out = lo;
     *step_out = step;
-    for (int64_t i = 0; i < n; i++) q[i] = quantize(h[i], u[i], lo_f, divisor, qmax);
+    quantize_row(n, h, u, lo_f, divisor, qmax, q);
     pack_row(q, n, codes, bits);
 }
 

@@ -20,9 +20,10 @@ pytestmark = pytest.mark.skipif(not cpu.available(),
 
 LAYOUTS = [(b, s) for b in BLOCKS for s in STATS]
 # Tails everywhere: T and F not multiples of 8 or 64, fewer than 8 tokens or features, a class
-# token before a square grid (1 + 6 * 6), (N, H, W, C) grids with edge blocks and H, W < 8.
+# token before a square grid (1 + 6 * 6), (N, H, W, C) grids with edge blocks and H, W < 8, and
+# maps of exactly 16 tokens (one step of the 16-lane quantise loop, no tail: Swin's windows).
 SHAPES = [(3, 65, 24), (2, 130, 13), (2, 7, 5), (1, 1, 1), (2, 37, 20), (2, 6, 5, 16),
-          (2, 17, 13, 9), (1, 3, 20, 8)]
+          (2, 17, 13, 9), (1, 3, 20, 8), (4, 16, 32)]
 
 
 def _pair(blocks, stats, bits=2):
