@@ -289,9 +289,13 @@ def test_shared_activation_is_packed_once():
 
 @pytest.mark.parametrize("codec,freed", [(None, False), ("exact", False), ("division", True)])
 def test_compressing_codecs_do_not_keep_the_activation_alive(codec, freed):
+    # Whether the ReLU output's memory outlives the forward: kept by plain autograd and `exact`,
+    # freed by a compressing codec (the storage is watched: `exact` may hold another tensor
+    # object on the same storage).
     model = Fork()
     refs = []
-    handle = model.relu.register_forward_hook(lambda m, i, out: refs.append(weakref.ref(out)))
+    handle = model.relu.register_forward_hook(
+        lambda m, i, out: refs.append(out.untyped_storage()._weak_ref()))
     x = torch.randn(2, 4, 8, 8, requires_grad=True)
     if codec is None:
         out = model(x)
@@ -299,8 +303,67 @@ def test_compressing_codecs_do_not_keep_the_activation_alive(codec, freed):
         with compress(model, codec):
             out = model(x)
     handle.remove()
-    assert (refs[0]() is None) == freed
+    assert torch.UntypedStorage._expired(refs[0]) == freed
+    torch.UntypedStorage._free_weak_ref(refs[0])
     out.sum().backward()
+
+
+class SavesOutputs(nn.Module):
+    """Ops that save their outputs for backward (tanh, sigmoid, softmax, BatchNorm's statistics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, x):
+        h = torch.tanh(self.bn(self.conv(x)))
+        h = torch.sigmoid(h) * h
+        return torch.softmax(self.fc(h.flatten(1)), dim=-1)
+
+
+@pytest.mark.parametrize("codec", ["exact", "division"])
+def test_a_forward_without_backward_leaves_nothing_behind(codec):
+    # Saved outputs held as they are would reach their own grad_fn, a cycle through C++ that no
+    # collector frees: a forward without backward (evaluation with grad on) then kept its whole
+    # graph, every activation included, alive.
+    torch.manual_seed(0)
+    model = SavesOutputs()
+    x = torch.randn(4, 3, 8, 8)
+    probes = []  # the storage of each forward's output, which softmax saves as it is
+    for _ in range(3):
+        with compress(model, codec):
+            out = model(x)
+        probes.append(out.untyped_storage()._weak_ref())
+        del out
+    try:
+        assert all(torch.UntypedStorage._expired(probe) for probe in probes)
+    finally:
+        for probe in probes:
+            torch.UntypedStorage._free_weak_ref(probe)
+
+
+def test_double_backward_through_kept_tensors_matches_plain_autograd():
+    # A gradient penalty (create_graph=True) under `exact`: autograd rebuilds each unpacked
+    # tensor's history from its own records, so what the codec holds needs none of its own.
+    torch.manual_seed(0)
+    model = SavesOutputs()
+    x = torch.randn(4, 3, 8, 8, requires_grad=True)
+
+    def penalty_grads(use_codec: bool):
+        model.zero_grad(set_to_none=True)
+        if use_codec:
+            with compress(model, "exact"):
+                out = model(x)
+        else:
+            out = model(x)
+        (grad_x,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+        grad_x.pow(2).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    for plain, kept in zip(penalty_grads(False), penalty_grads(True)):
+        assert torch.equal(plain, kept)
 
 
 class InPlaceAfterSave(nn.Module):
@@ -730,7 +793,11 @@ def test_sparse_nested_and_float8_tensors_are_kept_exactly(make):
     with compress(model, "division") as meter:
         out = model(t, seen)
     out.sum().backward()
-    assert seen[0] is t  # no codec reads these layouts/dtypes: kept, never approximated
+    # No codec reads these layouts/dtypes: kept, never approximated (held detached: same values).
+    kept = seen[0]
+    assert kept.layout == t.layout and kept.dtype == t.dtype
+    dense = (lambda v: v.to_dense()) if t.layout != torch.strided else (lambda v: v)
+    assert torch.equal(dense(kept).view(torch.uint8), dense(t).view(torch.uint8))
     assert meter.by_route() == {"kept": meter.by_route()["kept"]}
     assert torch.equal(model.weight.grad, torch.full((4, 4), 2.0))
 
@@ -741,7 +808,8 @@ def test_nested_tensors_are_kept_exactly():
     model = nn.Linear(4, 2)
     with compress(model, "division") as meter:
         out = model(nested)
-    assert out.grad_fn._saved_input is nested  # (this torch cannot run a nested backward here)
+    saved = out.grad_fn._saved_input  # (this torch cannot run a nested backward here)
+    assert saved.is_nested and all(torch.equal(a, b) for a, b in zip(saved.unbind(), nested.unbind()))
     assert [(r.routes, r.saved_bytes, r.count) for r in meter.per_layer()] == [(("kept",), 0, 1)]
 
 

@@ -91,7 +91,11 @@ def _memory_format(t: torch.Tensor):
 
 def _encode(route: Route, t: torch.Tensor, view=None) -> _Packed:
     if not route.copies:
-        return _Packed(route, route.codec.encode(t))
+        # Held as is, but detached: a saved output's own grad_fn is the node that saves it, so
+        # holding t itself would close a cycle through C++ that no collector frees (a forward
+        # without backward kept its whole graph). Autograd rebuilds the unpacked tensor's history
+        # from its own records; detach() keeps the storage and the version counter.
+        return _Packed(route, route.codec.encode(t.detach()))
     if view is not None:
         return _Packed(route, route.codec.encode(t.reshape(view)), shape=t.shape)
     data = route.codec.encode(t.t() if route.channels else t)
