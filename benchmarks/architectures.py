@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -40,7 +39,15 @@ import torch
 if not __package__:  # run as a file (python benchmarks/X.py): make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS_DIR, print_table, release_free_heap, resident_bytes, write_results
+from benchmarks.common import (
+    FRESH_MEMORY_ENV,
+    RESULTS_DIR,
+    json_from_fresh_process,
+    print_table,
+    release_free_heap,
+    resident_bytes,
+    write_results,
+)
 from freqact import data, models, train
 from freqact.engine import compress
 
@@ -151,11 +158,9 @@ def measure_memory(case: Case, mode: str) -> dict:
 
 
 def _memory_in_fresh_process(family: str, mode: str, quick: bool) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    cmd = [sys.executable, "-m", "benchmarks.architectures", "--memory-case", family, mode,
-           *(["--quick"] if quick else [])]
-    out = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json_from_fresh_process("benchmarks.architectures",
+                                   ["--memory-case", family, mode, *(["--quick"] if quick else [])],
+                                   env=FRESH_MEMORY_ENV)
 
 
 def step_ratio(model, x, y, rounds: int) -> dict:

@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -49,7 +47,15 @@ from torch.utils.checkpoint import checkpoint
 if not __package__:  # run as a file (python benchmarks/X.py): make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import median_time, print_table, release_free_heap, resident_bytes, write_results
+from benchmarks.common import (
+    FRESH_MEMORY_ENV,
+    json_from_fresh_process,
+    median_time,
+    print_table,
+    release_free_heap,
+    resident_bytes,
+    write_results,
+)
 from freqact import codecs, models
 from freqact.engine import compress
 
@@ -120,17 +126,10 @@ def measure_memory(name: str, batch: int, shape: tuple, mode: str, device: str) 
             "meter_bytes": metered}
 
 
-def _in_fresh_process(args: list[str], env: dict | None = None):
-    """The JSON this script prints last when run as `python -m benchmarks.codec_bench *args` in
-    a new interpreter (its stderr goes to ours, so a failure shows its traceback)."""
-    cmd = [sys.executable, "-m", "benchmarks.codec_bench", *args]
-    out = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, stdout=subprocess.PIPE, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def _memory_in_fresh_process(name: str, batch: int, mode: str, device: str) -> dict:
-    return _in_fresh_process(["--memory-case", name, str(batch), mode, "--device", device],
-                             env=dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536"))
+    return json_from_fresh_process("benchmarks.codec_bench",
+                                   ["--memory-case", name, str(batch), mode, "--device", device],
+                                   env=FRESH_MEMORY_ENV)
 
 
 def codec_speed(device: str, repeats: int) -> dict:
@@ -211,7 +210,8 @@ def _spectral_in_fresh_process(device: str, rounds: int, threads: int | None,
     """spectral_step_times in a new interpreter: {mode: seconds}."""
     args = ["--spectral-process", "--device", device, "--repeats", str(rounds)]
     args += [] if threads is None else ["--threads", str(threads)]
-    return _in_fresh_process(args + ([] if batch is None else ["--spectral-batch", str(batch)]))
+    args += [] if batch is None else ["--spectral-batch", str(batch)]
+    return json_from_fresh_process("benchmarks.codec_bench", args)
 
 
 def _spectral_main(device: str, rounds: int, threads: int | None, out: str | None,
@@ -221,6 +221,8 @@ def _spectral_main(device: str, rounds: int, threads: int | None, out: str | Non
     else:
         runs = [_spectral_in_fresh_process(device, rounds, threads, batch) for _ in range(processes)]
     ratios = {m: [run[m] / run["normal"] for run in runs] for m in SPECTRAL_MODES}
+    # Each mode's median step over the processes; the ratios are the medians of each process's own
+    # ratio (the two medians need not come from one process, so steps need not divide to them).
     steps = {m: statistics.median(run[m] for run in runs) for m in SPECTRAL_MODES}
     name, case_batch, _ = SPECTRAL_CASE
     batch = case_batch if batch is None else batch

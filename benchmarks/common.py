@@ -21,6 +21,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -146,3 +148,19 @@ def release_free_heap() -> None:
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+FRESH_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+"""What a fresh process measuring resident memory runs with: freed large buffers leave the set."""
+
+
+def json_from_fresh_process(module: str, args: Sequence[str], env: dict | None = None):
+    """The JSON `python -m <module> *args` prints last, run in a new interpreter from the repo root.
+
+    Its stderr goes to ours, so a failing child shows its traceback. `env`: variables added to
+    this process's environment (e.g. FRESH_MEMORY_ENV).
+    """
+    out = subprocess.run([sys.executable, "-m", module, *args], cwd=Path(__file__).resolve().parents[1],
+                         env=None if env is None else {**os.environ, **env}, check=True,
+                         stdout=subprocess.PIPE, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -24,9 +24,7 @@ import argparse
 import contextlib
 import copy
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,7 +34,15 @@ import torch.nn.functional as F
 if not __package__:  # run as a file (python benchmarks/X.py): make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import median_time, print_table, release_free_heap, resident_bytes, write_results
+from benchmarks.common import (
+    FRESH_MEMORY_ENV,
+    json_from_fresh_process,
+    median_time,
+    print_table,
+    release_free_heap,
+    resident_bytes,
+    write_results,
+)
 from freqact import models
 from freqact.engine import compress
 from freqact.engine.compiled import division_compile_settings
@@ -80,11 +86,8 @@ def measure_memory(name: str, batch: int, mode: str) -> dict:
 
 
 def _memory_in_fresh_process(name: str, batch: int, mode: str) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    cmd = [sys.executable, "-m", "benchmarks.compile_bench", "--memory-case", name, str(batch),
-           mode]
-    out = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json_from_fresh_process("benchmarks.compile_bench", ["--memory-case", name, str(batch), mode],
+                                   env=FRESH_MEMORY_ENV)
 
 
 def step_times(name: str, batch: int, repeats: int) -> dict:

@@ -43,9 +43,13 @@ def test_spectral_mode_writes_its_table_and_json(tmp_path, monkeypatch, capsys):
     argv = ["--spectral", "--repeats", "1", "--processes", "1", "--out", str(tmp_path)]
     assert codec_bench.main(argv) == 0
     document = json.loads((tmp_path / "codec-spectral-cpu.json").read_text())
-    assert document["settings"]["batch"] == 2 and document["step_vs_normal"]["normal"] == 1.0
-    assert set(document["step_seconds"]) == {"normal", "lfc", "hfc"}
-    assert "vs normal" in capsys.readouterr().out
+    assert document["settings"]["batch"] == 2 and len(document["per_process"]) == 1
+    (run,) = document["per_process"]
+    for mode in ("lfc", "hfc"):  # one process: its own ratio is the median and both ends
+        ratio = run["step_seconds"][mode] / run["step_seconds"]["normal"]
+        assert document["step_vs_normal"][mode] == pytest.approx(ratio)
+        assert document["step_vs_normal_range"][mode] == pytest.approx([ratio, ratio])
+    assert f"{document['step_vs_normal']['hfc']:.4g}" in capsys.readouterr().out  # the table's cell
 
 
 def test_spectral_ratios_come_from_fresh_processes_with_their_median_and_range(tmp_path, monkeypatch):

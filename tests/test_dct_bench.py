@@ -13,6 +13,18 @@ from benchmarks import dct_bench
 
 def test_rows_hold_both_protocols_and_ratios_of_their_own_medians(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(dct_bench, "SHAPES", [(2, 3, 8, 8)])
+    calls: dict[str, int] = {}
+    methods = dct_bench._methods
+
+    def counted(x, workers):
+        def wrap(name, fn):
+            def call():
+                calls[name] = calls.get(name, 0) + 1
+                return fn()
+            return call
+        return {name: wrap(name, fn) for name, fn in methods(x, workers).items()}
+
+    monkeypatch.setattr(dct_bench, "_methods", counted)
     assert dct_bench.main(["--repeats", "3", "--threads", "1", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "dct-cpu-1thread.json").read_text())["rows"]
     by_method = {r["method"]: r for r in rows}
@@ -23,4 +35,7 @@ def test_rows_hold_both_protocols_and_ratios_of_their_own_medians(tmp_path, monk
         assert row["speedup_over_scipy"] == pytest.approx(scipy_row["median_ms"] / row["median_ms"])
         assert row["alone_speedup_over_scipy"] == pytest.approx(
             scipy_row["alone_median_ms"] / row["alone_median_ms"])
+        assert row["min_ms"] <= row["median_ms"]
+    # Per method: the error check, 1 more warm-up, 3 rounds in turns, then 2 + 3 calls alone.
+    assert calls and set(calls.values()) == {1 + 1 + 3 + 2 + 3}
     assert "scipy / this alone" in capsys.readouterr().out

@@ -123,7 +123,8 @@ class MathSaves:
                 self.replay = self.rng
                 self.noise = (index, int(torch.count_nonzero(x)))
                 nbytes += _storage_nbytes(self.replay)
-            self.rng = torch.get_rng_state()
+            if self.noise is None:  # the state before the noise is drawn, until it is found
+                self.rng = torch.get_rng_state()
         return MathPacked(self, index, nbytes)
 
     def unpack(self, index: int) -> torch.Tensor:

@@ -95,15 +95,16 @@ _ASAN_DRIVER = textwrap.dedent("""
     from freqact import codecs
     from freqact.engine.layouts import BLOCKS, STATS, TokenLayout
     for shape in [(1, 1, 1), (2, 7, 5), (2, 37, 20), (2, 6, 5, 16), (1, 3, 20, 8), (2, 130, 13)]:
-        x = torch.randn(shape).transpose(0, -1).contiguous().transpose(0, -1)
-        for blocks in BLOCKS:
-            for stats in STATS:
-                for bits in (1, 2, 8):
-                    c = TokenLayout(codecs.get("division", bits=bits, backend="cpu"), blocks,
-                                    stats)
-                    c.decode(c.encode(x))
-                noise = torch.rand(c._geometry(shape)[0].quant_shape)
-                c.decode(c.encode(x, noise))
+        strided = torch.randn(shape).transpose(0, -1).contiguous().transpose(0, -1)
+        for x in (strided, torch.randn(shape)):  # read through strides, and in place
+            for blocks in BLOCKS:
+                for stats in STATS:
+                    for bits in (1, 2, 8):
+                        c = TokenLayout(codecs.get("division", bits=bits, backend="cpu"), blocks,
+                                        stats)
+                        c.decode(c.encode(x))
+                        noise = torch.rand(c._geometry(shape)[0].quant_shape)
+                        c.decode(c.encode(x, noise))
     print("asan-ok")
 """)
 
