@@ -12,9 +12,11 @@ from torch import nn
 from freqact import codecs as _codecs
 from freqact.codecs import base as _codec_base
 from freqact.codecs.base import Codec
+from freqact.codecs.division import Division
 from freqact.engine import compiled, graph_meter
 from freqact.engine.meter import Meter
 from freqact.engine.params import ParamIndex, is_fsdp_unit
+from freqact.engine.recompute import Recompute, Recomputer
 from freqact.engine.routes import (
     KEEP,
     PARAMETER,
@@ -36,6 +38,7 @@ __all__ = ["compress"]
 _ACTIVE = threading.local()
 _HOOKED: dict[int, str] = {}  # id(module) -> thread name of the block hooking it
 _HOOKED_LOCK = threading.Lock()
+RECOMPUTED = Route("recomputed-activation", Recompute())  # an output rebuilt from its packed input
 
 
 class _Packed:
@@ -43,7 +46,8 @@ class _Packed:
 
     One packed form can back several SavedVariables (two ops saving the same tensor: RMSNorm's
     pow and mul, the q/k/v projections' shared input; `_Compress._pack` dedups them): `uses`
-    counts them, and a backward decodes it once for all of them (`decoded`).
+    counts them (and the recipes that rebuild an activation's output from it, `recompute`), and
+    a backward decodes it once for all of them (`decoded`).
     """
 
     __slots__ = ("__weakref__", "_decoded", "_pending", "data", "memory_format", "route", "shape",
@@ -261,6 +265,8 @@ class _Compress:
         # storage ptr -> (storage weakref, layer site it is charged to), as plain PyTorch holds it
         self._owner: dict[int, tuple] = {}
         self._held_seen: dict[int, weakref.ref] = {}  # storage ptr -> storage (held as is)
+        # outputs rebuilt from their packed inputs: under the full `division` codec only
+        self._recompute = Recomputer(_unpack) if type(self.codec) is Division else None
         try:
             self._params = ParamIndex(self.model)
             self._install()
@@ -307,7 +313,7 @@ class _Compress:
                                    f"({site.type_name}): {err}") from err
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()
-        self._functions = FunctionTracker()
+        self._functions = FunctionTracker(self._recompute.returned if self._recompute else None)
         self._functions.__enter__()
 
     def _release(self) -> None:
@@ -315,7 +321,7 @@ class _Compress:
         for handle in self._handles:
             handle.remove()
         self._handles, self._stack, self._dedup = [], [], {}
-        self._owner, self._held_seen = {}, {}
+        self._owner, self._held_seen, self._recompute = {}, {}, None
         with _HOOKED_LOCK:
             self._unclaim_locked()
         _ACTIVE.on = False
@@ -359,7 +365,12 @@ class _Compress:
         ptr = storage.data_ptr()
         if self._params.derived(t, ptr, site.module):
             return _encode(PARAMETER, t)
-        route, view = route_for(site, self._describe(t, x, self._functions.current))
+        func = self._functions.current
+        route, view = route_for(site, self._describe(t, x, func))
+        recipe = (self._recompute.recipe_for(t, storage, ptr)
+                  if route.copies and self._recompute is not None else None)
+        if recipe is not None:
+            route, view = RECOMPUTED, None
         self.meter._record(site.name, site.type_name, route.label)
         # Contiguous tensors read through the same token view hold the same elements (a
         # softmax's (N, heads, T, T) output and matmul's (N * heads, T, T) view of it).
@@ -374,7 +385,13 @@ class _Compress:
                 return _Packed(route, packed.data, shape=t.shape)
             packed.uses += 1
             return packed
-        packed = _encode(route, t, view)
+        if recipe is not None:
+            packed = _Packed(route, recipe, shape=t.shape)
+            recipe.input.uses += 1  # decoded once for the function's backward and the recipe
+        else:
+            packed = _encode(route, t, view)
+            if route.copies and self._recompute is not None:
+                self._recompute.saw_input(func, t, packed)
         self._dedup[key] = (weakref.ref(storage), weakref.ref(packed))
         held = self._held_bytes(route, packed, ptr, storage)
         self.meter._charge(owner[1].name, owner[1].type_name, route.label, held, owner[2])

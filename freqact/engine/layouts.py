@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -178,18 +179,18 @@ class TokenLayout(Codec):
         """Whether the fused C kernels encode/decode tensors like x (the CPU backend chosen)."""
         return x.numel() > 0 and kernels.backend_for(x, self.division._kernels) == "cpu"
 
-    def _geometry(self, shape: tuple[int, ...]
-                  ) -> tuple[cpu.TokenGeometry, int, tuple[int, ...], int]:
-        """(the fused kernels' geometry of the body, head tokens, the block view's shape and
-        block size) for a view of `shape`."""
+    def _geometry(self, shape: tuple[int, ...]) -> _Plan:
+        """The fused kernels' plan (geometry, head tokens, block view) for a view of `shape`."""
         return _fused_geometry(self.blocks, self.stats, self.division.block, tuple(shape))
 
     @staticmethod
     def _panel(x: torch.Tensor, head: int, geom: cpu.TokenGeometry) -> torch.Tensor:
         """The body of x as the float32 (M, H, W, F) panel the fused kernels read (any strides:
         a view of a float32 x, except a (N, H, W, C) grid read as a sequence that cannot be)."""
-        body = x[:, head:] if x.dim() == 3 else x
-        return body.float().reshape(geom.panel)
+        body = x[:, head:] if head else x
+        if body.dtype != torch.float32:
+            body = body.float()
+        return body if body.shape == geom.panel else body.reshape(geom.panel)
 
     def encode(self, x: torch.Tensor, noise: torch.Tensor | None = None,
                seed: int | None = None) -> LayoutPacked:
@@ -203,15 +204,16 @@ class TokenLayout(Codec):
         if not self._fused(x):
             return self._encode_torch(x, noise, device_gen)
         d = self.division
-        geom, head, view, block = self._geometry(tuple(x.shape))
+        plan = self._geometry(x.shape)
+        geom, head = plan.geom, plan.head
         _check_noise(noise, geom.quant_shape)
         head_packed = (kernels.division_encode(x[:, :head], d.block, d.bits,
                                                seed=kernels._seed(None, cpu_gen),
                                                backend=d._kernels) if head else None)
         lfc, lo, step, codes = cpu.token_encode(self._panel(x, head, geom), geom, d.bits, noise,
                                                 kernels._seed(noise, cpu_gen))
-        quant = QuantPacked(lo, step, codes, torch.Size(geom.quant_shape), torch.float32, d.bits)
-        return LayoutPacked(LfcPacked(lfc, torch.Size(view), torch.float32, block), quant,
+        quant = QuantPacked(lo, step, codes, plan.quant_shape, torch.float32, d.bits)
+        return LayoutPacked(LfcPacked(lfc, plan.view, torch.float32, plan.block), quant,
                             head_packed, x.shape, x.dtype)
 
     def _encode_torch(self, x: torch.Tensor, noise: torch.Tensor | None,
@@ -242,11 +244,12 @@ class TokenLayout(Codec):
         """Returns: a tensor of the encoded view's shape and dtype, contiguous."""
         if not self._fused(packed.quant.codes):
             return self._decode_torch(packed)
-        geom, head, view, block = self._geometry(tuple(packed.shape))
+        plan = self._geometry(packed.shape)
+        geom, head = plan.geom, plan.head
         lfc, quant = packed.lfc, packed.quant  # their tensors: checked by cpu.token_decode
         if (not isinstance(lfc, LfcPacked) or not isinstance(quant, QuantPacked)
-                or tuple(lfc.shape) != view or lfc.block != block
-                or tuple(quant.shape) != geom.quant_shape
+                or lfc.shape != plan.view or lfc.block != plan.block
+                or quant.shape != geom.quant_shape
                 or (head > 0) != (packed.head is not None)):
             raise ValueError(f"packed: parts of shapes {tuple(lfc.shape)}, {tuple(quant.shape)} "
                              f"do not make a {self.layout} form of shape {tuple(packed.shape)}")
@@ -255,8 +258,9 @@ class TokenLayout(Codec):
         if head:
             out[:, :head] = kernels.division_decode(packed.head, backend=self.division._kernels)
         cpu.token_decode(lfc.lfc, quant.lo, quant.step, quant.codes, geom, quant.bits,
-                         out[:, head:])
-        return saturating_cast(out, packed.dtype).reshape(packed.shape)
+                         out[:, head:] if head else out)
+        out = saturating_cast(out, packed.dtype)
+        return out if out.shape == packed.shape else out.reshape(packed.shape)
 
     def _decode_torch(self, packed: LayoutPacked) -> torch.Tensor:
         blocks, _, _ = self._plan(tuple(packed.shape))
@@ -271,16 +275,31 @@ class TokenLayout(Codec):
 
     def nbytes_for(self, shape: tuple[int, ...]) -> int:
         """Bytes of the packed form of a view of `shape`, before encoding."""
-        geom, head, _, _ = self._geometry(tuple(shape))
-        d = self.division
+        plan = self._geometry(shape)
+        geom, head, d = plan.geom, plan.head, self.division
         maps = math.prod(geom.quant_shape[:2])
         n = 2 * math.prod(geom.lfc_shape) + maps * (geom.codes_shape(d.bits)[2] + 4)
         return n + (_division_nbytes(d, (shape[0], head, shape[-1])) if head else 0)
 
 
+class _Plan(NamedTuple):
+    """What the fused kernels need for a view of one shape (`_fused_geometry`, cached).
+
+    Attributes:
+        geom: the body's geometry; head: the tokens kept apart as a `division` map (0 or 1);
+        view: the block view's shape (the lfc's); block: its block size;
+        quant_shape: the stats view's shape (the quant part's).
+    """
+
+    geom: cpu.TokenGeometry
+    head: int
+    view: torch.Size
+    block: int
+    quant_shape: torch.Size
+
+
 @functools.lru_cache(maxsize=1024)  # a few shapes per model, asked at every pack and unpack
-def _fused_geometry(blocks: str, stats: str, b: int, shape: tuple[int, ...]
-                    ) -> tuple[cpu.TokenGeometry, int, tuple[int, ...], int]:
+def _fused_geometry(blocks: str, stats: str, b: int, shape: tuple[int, ...]) -> _Plan:
     """`TokenLayout._geometry` for a layout `blocks/stats` with block size b."""
     blocks, head, grid = _plan(blocks, shape)
     m, f = shape[0], shape[-1]
@@ -305,7 +324,7 @@ def _fused_geometry(blocks: str, stats: str, b: int, shape: tuple[int, ...]
         extents, strides = (*sizes, 1), (counts[1], 1, lfc.nblocks)
     geom = cpu.TokenGeometry((m, h, w, f), extents, tuple(lfc.lfc_shape), strides,
                              stats == "chan")
-    return geom, head, view, block
+    return _Plan(geom, head, torch.Size(view), block, torch.Size(geom.quant_shape))
 
 
 def _generators(seed: int | None, device: torch.device

@@ -10,6 +10,7 @@ choosers or new `Saved` fields, not new branches in the pack hook.
 from __future__ import annotations
 
 import enum
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -101,14 +102,14 @@ class Route:
     layout: str = ""
     heads: bool = False
 
-    @property
+    @functools.cached_property  # asked at every pack
     def label(self) -> str:
         """What the meter calls the route: the codec's name and its layout, or "kept"."""
         if self.name in ("keep-exact", "parameter"):
             return "kept"
         return f"{self.codec.name} {self.layout}" if self.layout and self.copies else self.codec.name
 
-    @property
+    @functools.cached_property
     def copies(self) -> bool:
         """False when the packed form is the tensor itself (counted once per storage)."""
         return not isinstance(self.codec, Exact)
@@ -507,6 +508,14 @@ def view_shape(route: Route, saved: Saved) -> tuple[int, ...] | None:
     return token_view(tuple(logical), False, grid=route.name == "features", group=GROUP_TOKENS)
 
 
+def _declines(codec: Codec, t: torch.Tensor, shape) -> bool:
+    """True when codec does not store t read as `shape` (None: as saved)."""
+    if type(codec).accepts is Codec.accepts:  # accepts everything (no probe tensor to build)
+        return False
+    return not codec.accepts(t if shape is None else torch.empty(shape, dtype=t.dtype,
+                                                                   device="meta"))
+
+
 def _not_smaller(route: Route, t: torch.Tensor, shape) -> bool:
     """True when the packed form would hold at least t's own bytes (1x1 maps: 7 B vs 4)."""
     n = packed_nbytes(route.codec, tuple(shape if shape is not None else t.shape))
@@ -566,7 +575,6 @@ def _checked(site: Site, route: Route, saved: Saved) -> tuple[Route, tuple[int, 
     elif route is site.routes.features and len(shape) == 4:
         route = site.routes.grids  # a channels-last grid: its 2D patches
     # A codec may decline a tensor (lfc/hfc: no spatial or sequence axis): it is then kept.
-    probe = t if shape is None else torch.empty(shape, dtype=t.dtype, device="meta")
-    if not route.codec.accepts(probe) or _not_smaller(route, t, shape):
+    if _declines(route.codec, t, shape) or _not_smaller(route, t, shape):
         return KEEP, None
     return route, shape

@@ -10,6 +10,7 @@ torch calls (`F.multi_head_attention_forward`) is seen as itself, never as its p
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 from torch.overrides import TorchFunctionMode
 
@@ -18,12 +19,18 @@ __all__ = ["FunctionTracker"]
 
 class FunctionTracker(TorchFunctionMode):
     """Records the running torch function; `current` is (name, args, kwargs, call) or None,
-    call the number of the call (two calls with the same arguments are told apart)."""
+    call the number of the call (two calls with the same arguments are told apart).
 
-    def __init__(self) -> None:
+    Args:
+        on_return: called as on_return(func, args, kwargs, call, output) after each call that
+            returned (`recompute.Recomputer.returned`), or None.
+    """
+
+    def __init__(self, on_return: Callable | None = None) -> None:
         super().__init__()
         self._stack: list[tuple] = []
         self._calls = itertools.count()
+        self._on_return = on_return
 
     @property
     def current(self) -> tuple | None:
@@ -31,8 +38,12 @@ class FunctionTracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self._stack.append((getattr(func, "__name__", ""), args, kwargs, next(self._calls)))
+        call = next(self._calls)
+        self._stack.append((getattr(func, "__name__", ""), args, kwargs, call))
         try:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
         finally:
             self._stack.pop()
+        if self._on_return is not None:
+            self._on_return(func, args, kwargs, call, out)
+        return out

@@ -440,19 +440,26 @@ def _token_args(geom: TokenGeometry, bits: int, strides=(0, 0, 0, 0), out_stride
     extents positive, and every block's lfc index inside geom.lfc_shape (the C code indexes the
     lfc with lfc_strides), so an inconsistent TokenGeometry is refused, never written past.
     """
-    check_bits(bits)
     m, h, w, f = geom.panel
     per_sequence = math.prod(geom.lfc_shape[1:])
     last = sum((c - 1) * s for c, s in zip(geom.counts, geom.lfc_strides))
     if (min(h, w, f, *geom.extents) < 1 or m < 0 or geom.lfc_shape[0] != m
             or min(geom.lfc_strides) < 0 or last >= per_sequence):
         raise ValueError(f"geom: inconsistent token geometry {geom}")
-    codes = geom.codes_shape(bits)
+    codes = _token_parts(geom, bits)[3][1]
     _c_int64("x.numel()", math.prod(geom.panel))
     _c_int64("codes", math.prod(codes))
     values = (*geom.panel, *geom.extents, *geom.counts, *geom.lfc_strides, int(geom.chan),
               codes[2], *strides, out_stride)
     return (ctypes.c_int64 * len(values))(*(_c_int64("token geometry", v) for v in values))
+
+
+@functools.lru_cache(maxsize=1024)
+def _token_parts(geom: TokenGeometry, bits: int) -> tuple[tuple[torch.dtype, tuple], ...]:
+    """(dtype, shape) of the packed parts lfc, lo, step, codes for geom and bits (checked)."""
+    maps = tuple(geom.quant_shape[:2])
+    return ((torch.bfloat16, tuple(geom.lfc_shape)), (torch.bfloat16, maps),
+            (torch.bfloat16, maps), (torch.uint8, tuple(geom.codes_shape(check_bits(bits)))))
 
 
 def token_encode(x: torch.Tensor, geom: TokenGeometry, bits: int, noise: torch.Tensor | None,
@@ -472,18 +479,15 @@ def token_encode(x: torch.Tensor, geom: TokenGeometry, bits: int, noise: torch.T
         (*quant_shape[:2], ceil(quant_shape[2] * bits / 8)).
     """
     lib = _lib()
-    if x.dtype != torch.float32 or tuple(x.shape) != geom.panel or x.device.type != "cpu":
+    if x.dtype != torch.float32 or x.shape != geom.panel or x.device.type != "cpu":
         raise ValueError(f"x: expected float32 of shape {geom.panel} on the CPU, got {x.dtype} "
                          f"{tuple(x.shape)} on {x.device}")
-    if noise is not None and (tuple(noise.shape) != geom.quant_shape or noise.device.type != "cpu"):
+    if noise is not None and (noise.shape != geom.quant_shape or noise.device.type != "cpu"):
         raise ValueError(f"noise: expected shape {geom.quant_shape} on the CPU, got "
                          f"{tuple(noise.shape)} on {noise.device}")
     args = _token_args(geom, bits, x.stride())
-    maps = geom.quant_shape[:2]
-    lfc = torch.empty(geom.lfc_shape, dtype=torch.bfloat16)
-    lo = torch.empty(maps, dtype=torch.bfloat16)
-    step = torch.empty(maps, dtype=torch.bfloat16)
-    codes = torch.empty(geom.codes_shape(bits), dtype=torch.uint8)
+    lfc, lo, step, codes = (torch.empty(shape, dtype=dtype)
+                            for dtype, shape in _token_parts(geom, bits))
     if noise is not None:
         noise = noise.float().contiguous()
     status = lib.freqact_token_encode(
@@ -508,20 +512,20 @@ def token_decode(lfc: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes:
         ValueError: naming the part whose dtype, shape or device disagrees with geom.
     """
     lib = _lib()
-    maps = geom.quant_shape[:2]
-    for name, t, dtype, shape in (("lfc", lfc, torch.bfloat16, geom.lfc_shape),
-                                  ("lo", lo, torch.bfloat16, maps),
-                                  ("step", step, torch.bfloat16, maps),
-                                  ("codes", codes, torch.uint8, geom.codes_shape(check_bits(bits)))):
-        _check_part(name, t, dtype, list(shape), torch.device("cpu"))
+    parts = (lfc, lo, step, codes)
+    expected = _token_parts(geom, bits)
+    if not all(isinstance(t, torch.Tensor) and t.dtype == dtype and t.shape == shape
+               and t.device.type == "cpu" for t, (dtype, shape) in zip(parts, expected)):
+        for name, t, (dtype, shape) in zip(("lfc", "lo", "step", "codes"), parts, expected):
+            _check_part(name, t, dtype, list(shape), torch.device("cpu"))
     m, h, w, f = geom.panel
     if (out.dtype != torch.float32 or out.dim() != 3 or out.shape[0] != m or out.shape[1] < h * w
             or out.shape[2] != f or out.stride()[1:] != (f, 1) or out.device.type != "cpu"
             or (m > 1 and out.stride(0) < h * w * f)):  # overlapping panels would race
         raise ValueError(f"out: expected float32 (M, >= {h * w}, {f}) disjoint CPU panels, got "
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
-    args = _token_args(geom, bits, out_stride=out.stride(0))
-    parts = [t.contiguous() for t in (lfc, lo, step, codes)]
+    args = _token_args(geom, bits, (0, 0, 0, 0), out.stride(0))
+    parts = [t.contiguous() for t in parts]
     status = lib.freqact_token_decode(args, bits, *(t.data_ptr() for t in parts), out.data_ptr(),
                                       _threads())
     if status != 0:

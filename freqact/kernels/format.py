@@ -375,6 +375,8 @@ def bf16_directed(v: torch.Tensor, up: bool) -> torch.Tensor:
 def saturating_cast(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cast v to dtype, finite values saturating at dtype's largest finite value (a plain cast
     for every value that fits; infinities and NaNs are kept)."""
+    if v.dtype == dtype:
+        return v
     limit = torch.finfo(dtype).max
     if limit < torch.finfo(v.dtype).max and bool(
             v.abs().gt(limit).logical_and_(v.isfinite()).any()):
