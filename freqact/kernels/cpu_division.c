@@ -127,37 +127,6 @@ static inline uint16_t bf16_down(float v) { return bf16_directed(v, 0); }
 
 static inline uint16_t bf16_up(float v) { return bf16_directed(v, 1); }
 
-/* --- noise ---------------------------------------------------------------------------------- */
-
-/* SplitMix64's output for state seed + (k + 1) * golden gamma: its k-th draw after `seed`. */
-static inline uint64_t splitmix(uint64_t seed, uint64_t k) {
-    uint64_t z = seed + (k + 1) * 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-/* The uniform of element g: two per draw, draw g / 2 giving bits 40-63 to even g and bits 16-39
- * to odd g, each scaled to [0, 1) by 2^-24. */
-static inline float uniform_of(uint64_t z, uint64_t g) {
-    return (float)((g & 1) ? (z >> 16) & 0xFFFFFF : z >> 40) * 0x1p-24f;
-}
-
-/* u[i] = the uniform of element first + i, for i < n (a pair per draw in the main loop). */
-static void splitmix_uniforms(uint64_t seed, uint64_t first, int64_t n, float *u) {
-    int64_t i = 0;
-    if (n > 0 && (first & 1)) {
-        u[0] = uniform_of(splitmix(seed, first >> 1), first);
-        i = 1;
-    }
-    for (; i + 1 < n; i += 2) {
-        const uint64_t z = splitmix(seed, (first + (uint64_t)i) >> 1);
-        u[i] = (float)(z >> 40) * 0x1p-24f;
-        u[i + 1] = (float)((z >> 16) & 0xFFFFFF) * 0x1p-24f;
-    }
-    if (i < n) u[i] = uniform_of(splitmix(seed, (first + (uint64_t)i) >> 1), first + (uint64_t)i);
-}
-
 /* --- vectors: GCC/Clang vector types, plain scalar code on a CPU without vector units ------- */
 
 typedef float f32x8 __attribute__((vector_size(32)));
@@ -165,7 +134,16 @@ typedef int32_t i32x8 __attribute__((vector_size(32)));
 /* 16 lanes for the quantise loop (one step over a 16-token map) */
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x4 __attribute__((vector_size(16)));
+typedef int32_t i32x2 __attribute__((vector_size(8)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef uint8_t u8x4 __attribute__((vector_size(4)));
+typedef uint8_t u8x2 __attribute__((vector_size(2)));
+/* 8 SplitMix64 states at once (vpmullq with AVX-512 DQ) */
+typedef uint64_t u64x8 __attribute__((vector_size(64)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 /* Lane-wise `mask ? a : b` (mask lanes all ones or all zeros, as vector comparisons give), for 8
  * lanes (select) and 16 (select16). */
@@ -185,6 +163,46 @@ DEFINE_SELECT(select16, f32x16, i32x16)
 /* v as 16 lanes */
 static inline f32x16 splat16(float v) {
     return (f32x16){v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v};
+}
+
+/* Lane-wise isfinite: exponent bits not all ones. */
+static inline i32x16 finite16(f32x16 v) {
+    i32x16 b;
+    memcpy(&b, &v, sizeof b);
+    return (b & 0x7F800000) != 0x7F800000;
+}
+
+/* --- noise ---------------------------------------------------------------------------------- */
+
+#define GOLDEN_GAMMA 0x9E3779B97F4A7C15ull
+
+/* SplitMix64's outputs for 8 states z (seed + (k + 1) * golden gamma for draws k): its
+ * finaliser, lane-wise. */
+static inline u64x8 splitmix8(u64x8 z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* u[i] = the uniform of element first + i, for i < n: two per draw, draw g / 2 giving bits 40-63
+ * to even g and bits 16-39 to odd g, each scaled to [0, 1) by 2^-24. 16 uniforms (8 draws) per
+ * step from the even element at or before `first`, so u must have room for n + 16 floats: the
+ * map's uniforms start at u + (first & 1), which this returns. */
+static const float *splitmix_uniforms(uint64_t seed, uint64_t first, int64_t n, float *u) {
+    const u64x8 lanes = {1, 2, 3, 4, 5, 6, 7, 8};
+    u64x8 z = seed + ((first >> 1) + lanes) * GOLDEN_GAMMA;
+    for (int64_t i = 0; i < n + (int64_t)(first & 1); i += 16) {
+        const u64x8 r = splitmix8(z);
+        const u32x8 hi = __builtin_convertvector(r >> 40, u32x8);
+        const u32x8 lo = __builtin_convertvector((r >> 16) & 0xFFFFFF, u32x8);
+        const u32x16 bits = __builtin_shufflevector(hi, lo, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5,
+                                                    13, 6, 14, 7, 15);
+        /* < 2^24: exact as int32 and as float, as the scalar (float)(uint64) conversion */
+        const f32x16 v = __builtin_convertvector((i32x16)bits, f32x16) * splat16(0x1p-24f);
+        memcpy(u + i, &v, sizeof v);
+        z += 8 * GOLDEN_GAMMA;
+    }
+    return u + (first & 1);
 }
 
 /* --- encode: block means and residual ----------------------------------------------------- */
@@ -331,6 +349,62 @@ static void unpack_row(const uint8_t *packed, int64_t count, uint8_t *q, int bit
     }
 }
 
+/* 16 codes (< 2^bits, one per lane) packed into their 2 * bits bytes at out: each lane shifted to
+ * its place in its byte, then adjacent lanes OR-ed until one lane per byte is left.
+ * always_inline with a constant `bits`. */
+static inline __attribute__((always_inline)) void pack16(i32x16 c, uint8_t *out, const int bits) {
+    if (bits == 8) {
+        const u8x16 b = __builtin_convertvector(c, u8x16);
+        memcpy(out, &b, sizeof b);
+        return;
+    }
+    const int per_byte = 8 / bits;
+    i32x16 shift;
+    for (int l = 0; l < 16; l++) shift[l] = (l % per_byte) * bits;
+    c <<= shift;
+    const i32x8 c8 = __builtin_shufflevector(c, c, 0, 2, 4, 6, 8, 10, 12, 14)
+                     | __builtin_shufflevector(c, c, 1, 3, 5, 7, 9, 11, 13, 15);
+    if (bits == 4) {
+        const u8x8 b = __builtin_convertvector(c8, u8x8);
+        memcpy(out, &b, sizeof b);
+        return;
+    }
+    const i32x4 c4 = __builtin_shufflevector(c8, c8, 0, 2, 4, 6)
+                     | __builtin_shufflevector(c8, c8, 1, 3, 5, 7);
+    if (bits == 2) {
+        const u8x4 b = __builtin_convertvector(c4, u8x4);
+        memcpy(out, &b, sizeof b);
+        return;
+    }
+    const i32x2 c2 = __builtin_shufflevector(c4, c4, 0, 2) | __builtin_shufflevector(c4, c4, 1, 3);
+    const u8x2 b = __builtin_convertvector(c2, u8x2);
+    memcpy(out, &b, sizeof b);
+}
+
+/* The little-endian 32-bit word of the bytes p[0 .. 3] (on any host). */
+static inline uint32_t le32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* Inverse of pack16: the 16 codes of the 2 * bits bytes at p, one per lane: code l is bits
+ * l * bits .. of the bytes read as a little-endian number, taken from the 32-bit word that holds
+ * it. always_inline with a constant `bits`. */
+static inline __attribute__((always_inline)) i32x16 unpack16(const uint8_t *p, const int bits) {
+    if (bits == 8) {
+        u8x16 b;
+        memcpy(&b, p, sizeof b);
+        return __builtin_convertvector(b, i32x16);
+    }
+    const uint32_t w0 = bits == 1 ? (uint32_t)p[0] | (uint32_t)p[1] << 8 : le32(p);
+    const uint32_t w1 = bits == 4 ? le32(p + 4) : w0;
+    u32x16 w, shift;
+    for (int l = 0; l < 16; l++) {
+        w[l] = l < 8 ? w0 : w1;
+        shift[l] = (uint32_t)(l * bits % 32);
+    }
+    return (i32x16)((w >> shift) & ((1u << bits) - 1u));
+}
+
 /* --- encode: quantise one map --------------------------------------------------------------- */
 
 static inline uint8_t quantize(float h, float u, float lo, float divisor, float qmax) {
@@ -340,11 +414,14 @@ static inline uint8_t quantize(float h, float u, float lo, float divisor, float 
     return (uint8_t)(int)t; /* t >= 0: truncation is the floor */
 }
 
-/* q[i] = quantize(h[i], u[i], lo, divisor, qmax) for i < n: 16 lanes at a time with the same
- * float operations (so the same codes), the rest one by one. Written with vector types because
- * the compiler leaves the plain loop scalar for the short maps of the token layouts (16 tokens). */
-static void quantize_row(int64_t n, const float *h, const float *u, float lo, float divisor,
-                         float qmax, uint8_t *q) {
+/* The codes of h[i] (i < n) packed into `codes`: 16 lanes at a time with the same float
+ * operations as `quantize` (so the same codes) and packed in registers (`pack16`), the rest one
+ * by one through the byte packing. always_inline with a constant `bits` (quantize_pack). Written
+ * with vector types because the compiler leaves the plain loop scalar for the short maps of the
+ * token layouts (16 tokens). */
+static inline __attribute__((always_inline)) void quantize_pack_fixed(
+        int64_t n, const float *h, const float *u, float lo, float divisor, float qmax,
+        uint8_t *codes, const int bits) {
     const f32x16 vlo = splat16(lo), vdiv = splat16(divisor), vmax = splat16(qmax), zero = {0};
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -354,15 +431,40 @@ static void quantize_row(int64_t n, const float *h, const float *u, float lo, fl
         f32x16 t = uv + (hv - vlo) / vdiv;
         t = select16(t > zero, t, zero); /* NaN -> 0 */
         t = select16(t < vmax, t, vmax);
-        const u8x16 c = __builtin_convertvector(__builtin_convertvector(t, i32x16), u8x16);
-        memcpy(q + i, &c, sizeof c);
+        pack16(__builtin_convertvector(t, i32x16), codes + i * bits / 8, bits);
     }
-    for (; i < n; i++) q[i] = quantize(h[i], u[i], lo, divisor, qmax);
+    if (i == n) return;
+    uint8_t q[16]; /* 16 codes are whole bytes at every bits: the tail starts on a byte */
+    for (int64_t k = 0; i + k < n; k++) q[k] = quantize(h[i + k], u[i + k], lo, divisor, qmax);
+    pack_row(q, n - i, codes + i * bits / 8, bits);
 }
 
-/* h: the map's residual (n floats); u: its uniforms; q: scratch of n bytes. */
-static void quantize_map(int64_t n, int bits, const float *h, const float *u, uint8_t *q,
-                         uint16_t *lo_out, uint16_t *step_out, uint8_t *codes) {
+static void quantize_pack(int64_t n, int bits, const float *h, const float *u, float lo,
+                          float divisor, float qmax, uint8_t *codes) {
+    switch (bits) {
+        case 1: quantize_pack_fixed(n, h, u, lo, divisor, qmax, codes, 1); break;
+        case 2: quantize_pack_fixed(n, h, u, lo, divisor, qmax, codes, 2); break;
+        case 4: quantize_pack_fixed(n, h, u, lo, divisor, qmax, codes, 4); break;
+        default: quantize_pack_fixed(n, h, u, lo, divisor, qmax, codes, 8);
+    }
+}
+
+/* The lane of v that a scan in lane order keeps when a lane replaces the running value only if
+ * strictly below it (above it for `max`): adjacent lanes pairwise, the lower lane winning ties,
+ * so that of -0 and +0 the same one is kept as by that scan (lo's sign bit depends on it). */
+static inline float first_extreme(f32x8 v, int max) {
+    const f32x8 a4 = __builtin_shufflevector(v, v, 0, 2, 4, 6, 0, 2, 4, 6);
+    const f32x8 b4 = __builtin_shufflevector(v, v, 1, 3, 5, 7, 1, 3, 5, 7);
+    v = select(max ? b4 > a4 : b4 < a4, b4, a4);
+    const f32x8 a2 = __builtin_shufflevector(v, v, 0, 2, 0, 2, 0, 2, 0, 2);
+    const f32x8 b2 = __builtin_shufflevector(v, v, 1, 3, 1, 3, 1, 3, 1, 3);
+    v = select(max ? b2 > a2 : b2 < a2, b2, a2);
+    return (max ? v[1] > v[0] : v[1] < v[0]) ? v[1] : v[0];
+}
+
+/* h: the map's residual (n floats); u: its uniforms. */
+static void quantize_map(int64_t n, int bits, const float *h, const float *u, uint16_t *lo_out,
+                         uint16_t *step_out, uint8_t *codes) {
     /* 8 lanes of minima/maxima in GCC/Clang vector types (plain scalar code on a CPU without
      * vectors); NaNs are skipped by the comparisons and counted apart: any NaN makes the map's
      * min and max NaN, as torch.aminmax does. */
@@ -377,13 +479,9 @@ static void quantize_map(int64_t n, int bits, const float *h, const float *u, ui
         lane_mx = select(v > lane_mx, v, lane_mx);
         lane_nan |= v != v;
     }
-    float mn = INFINITY, mx = -INFINITY;
+    float mn = first_extreme(lane_mn, 0), mx = first_extreme(lane_mx, 1);
     int nan = 0;
-    for (int l = 0; l < 8; l++) {
-        mn = lane_mn[l] < mn ? lane_mn[l] : mn;
-        mx = lane_mx[l] > mx ? lane_mx[l] : mx;
-        nan |= lane_nan[l];
-    }
+    for (int l = 0; l < 8; l++) nan |= lane_nan[l];
     for (int64_t i = whole; i < n; i++) {
         mn = h[i] < mn ? h[i] : mn;
         mx = h[i] > mx ? h[i] : mx;
@@ -398,11 +496,9 @@ static void quantize_map(int64_t n, int bits, const float *h, const float *u, ui
     const int over = isinf(span) && isfinite(mx) && isfinite(lo_f);
     const uint16_t step = bf16_up(over ? mx / qmax - lo_f / qmax : span / qmax);
     const float step_f = bf16_to_float(step);
-    const float divisor = step_f == 0.0f ? 1.0f : step_f;
     *lo_out = lo;
     *step_out = step;
-    quantize_row(n, h, u, lo_f, divisor, qmax, q);
-    pack_row(q, n, codes, bits);
+    quantize_pack(n, bits, h, u, lo_f, step_f == 0.0f ? 1.0f : step_f, qmax, codes);
 }
 
 /* Encode the maps of x (float32, contiguous) described by geom (G_LEN values). lfc: bf16
@@ -422,10 +518,10 @@ int freqact_division_encode(const int64_t *geom, int bits, const float *x, const
         float *means = malloc((size_t)g.nblocks * sizeof(float));
         float *colsum = malloc((size_t)g.size[2] * sizeof(float));
         float *residual = malloc((size_t)g.numel * sizeof(float));
-        uint8_t *q = malloc((size_t)g.numel);
         float *row = malloc((size_t)g.size[2] * sizeof(float));
-        float *uniforms = noise ? NULL : malloc((size_t)g.numel * sizeof(float));
-        if (!means || !colsum || !residual || !q || !row || (!noise && !uniforms)) {
+        /* + 16: splitmix_uniforms writes whole steps from an even element */
+        float *uniforms = noise ? NULL : malloc((size_t)(g.numel + 16) * sizeof(float));
+        if (!means || !colsum || !residual || !row || (!noise && !uniforms)) {
             failed = 1;
         } else {
 #pragma omp for schedule(static)
@@ -436,16 +532,16 @@ int freqact_division_encode(const int64_t *geom, int bits, const float *x, const
                     add_block_values(&g, xm, means, -1.0f, row, residual);
                     saturate_residual(xm, g.numel, residual);
                 }
-                if (!noise) splitmix_uniforms(seed, (uint64_t)(m * g.numel), g.numel, uniforms);
-                quantize_map(g.numel, bits, block ? residual : xm,
-                             noise ? noise + m * g.numel : uniforms, q, lo + m, step + m,
+                const float *u = noise ? noise + m * g.numel
+                                       : splitmix_uniforms(seed, (uint64_t)(m * g.numel),
+                                                           g.numel, uniforms);
+                quantize_map(g.numel, bits, block ? residual : xm, u, lo + m, step + m,
                              codes + m * g.code_bytes);
             }
         }
         free(means);
         free(colsum);
         free(residual);
-        free(q);
         free(row);
         free(uniforms);
     }
@@ -454,6 +550,48 @@ int freqact_division_encode(const int64_t *geom, int bits, const float *x, const
 }
 
 /* --- decode --------------------------------------------------------------------------------- */
+
+/* out[i] = q[i] * step (+ lo with `with_lo`) for the n codes packed at `codes`, q[i] as float:
+ * 16 codes at a time unpacked in registers (`unpack16`), the rest one by one. Returns
+ * whether a value is not finite. always_inline with constant `bits` and `with_lo`. */
+static inline __attribute__((always_inline)) int dequantize_fixed(
+        const uint8_t *codes, int64_t n, float lo_f, float step_f, float *out, const int bits,
+        const int with_lo) {
+    const f32x16 vstep = splat16(step_f), vlo = splat16(lo_f);
+    i32x16 finite = finite16(vstep); /* all lanes true (step is finite or the map is all NaN) */
+    finite |= ~finite;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        f32x16 v = __builtin_convertvector(unpack16(codes + i * bits / 8, bits), f32x16) * vstep;
+        if (with_lo) v += vlo;
+        finite &= finite16(v);
+        memcpy(out + i, &v, sizeof v);
+    }
+    int bad = 0;
+    for (int l = 0; l < 16; l++) bad |= !finite[l];
+    const int per_byte = 8 / bits;
+    for (; i < n; i++) {
+        const float q = (float)((codes[i / per_byte] >> (i % per_byte * bits)) & ((1 << bits) - 1));
+        out[i] = with_lo ? q * step_f + lo_f : q * step_f;
+        bad |= !isfinite(out[i]);
+    }
+    return bad;
+}
+
+/* dequantize_fixed with a run-time `bits` and `with_lo`. */
+static int dequantize_codes(const uint8_t *codes, int64_t n, int bits, float lo_f, float step_f,
+                            int with_lo, float *out) {
+#define DEQUANTIZE_AT(b)                                                                       \
+    (with_lo ? dequantize_fixed(codes, n, lo_f, step_f, out, b, 1)                             \
+             : dequantize_fixed(codes, n, lo_f, step_f, out, b, 0))
+    switch (bits) {
+        case 1: return DEQUANTIZE_AT(1);
+        case 2: return DEQUANTIZE_AT(2);
+        case 4: return DEQUANTIZE_AT(4);
+        default: return DEQUANTIZE_AT(8);
+    }
+#undef DEQUANTIZE_AT
+}
 
 /* The decode's edge rule for one map whose sums did not all stay finite: where the sum is not
  * finite but q * (step / 4) + (lfc / 4 + lo / 4) is, out = that times 4, saturated at +-FLT_MAX.
@@ -526,14 +664,17 @@ int freqact_division_decode(const int64_t *geom, int bits, const uint16_t *lfc,
                 const float lo_f = bf16_to_float(lo[m]), step_f = bf16_to_float(step[m]);
                 for (int64_t b = 0; b < g.nblocks; b++)
                     base[b] = lfc ? bf16_to_float(lfc[m * g.nblocks + b]) + lo_f : lo_f;
-                unpack_row(codes + m * g.code_bytes, g.numel, q, bits);
-                for (int64_t i = 0; i < g.numel; i++) scaled[i] = (float)q[i] * step_f;
+                const uint8_t *cm = codes + m * g.code_bytes;
+                dequantize_codes(cm, g.numel, bits, 0.0f, step_f, 0, scaled);
                 float *o = out + m * g.numel;
                 add_block_values(&g, scaled, base, 1.0f, row, o);
                 int overflow = 0;
                 for (int64_t i = 0; i < g.numel; i++) overflow |= !isfinite(o[i]);
-                if (overflow) redo_at_quarter_scale(&g, lfc ? lfc + m * g.nblocks : NULL, lo_f,
-                                                 step_f, q, base, scaled, row, o);
+                if (overflow) {
+                    unpack_row(cm, g.numel, q, bits);
+                    redo_at_quarter_scale(&g, lfc ? lfc + m * g.nblocks : NULL, lo_f, step_f, q,
+                                          base, scaled, row, o);
+                }
                 if (positive) apply_positive(positive, m * g.numel, g.numel, tiny, o);
             }
         }
@@ -774,20 +915,22 @@ static void panel_residual(const int64_t *g, const float *src, float *p, uint16_
 }
 
 /* Quantise the residual panel of sequence m: one map per token row (tok) or per feature column
- * (chan, through the transposed copy ht). u, q: scratch of max(T, F) floats / bytes. */
+ * (chan, through the transposed copy ht). u: scratch of T * F + 16 floats (the panel's maps
+ * follow each other in the noise stream: their uniforms are drawn in one go). */
 static void quantize_panel(const int64_t *g, int64_t m, int bits, const float *p, float *ht,
-                           const float *noise, uint64_t seed, float *u, uint8_t *q, uint16_t *lo,
+                           const float *noise, uint64_t seed, float *u, uint16_t *lo,
                            uint16_t *step, uint8_t *codes) {
     const int64_t T = g[T_H] * g[T_W], F = g[T_F];
     const int chan = g[T_STATS] == 1;
     const int64_t maps = chan ? F : T, n = chan ? T : F;
     if (chan) transpose(p, T, F, ht);
     const float *h = chan ? ht : p;
+    const float *uniforms = noise ? noise + m * maps * n
+                                  : splitmix_uniforms(seed, (uint64_t)(m * maps * n), maps * n, u);
     for (int64_t r = 0; r < maps; r++) {
         const int64_t map = m * maps + r;
-        const float *ur = noise ? noise + map * n : u;
-        if (!noise) splitmix_uniforms(seed, (uint64_t)(map * n), n, u);
-        quantize_map(n, bits, h + r * n, ur, q, lo + map, step + map, codes + map * g[T_CODE_BYTES]);
+        quantize_map(n, bits, h + r * n, uniforms + r * n, lo + map, step + map,
+                     codes + map * g[T_CODE_BYTES]);
     }
 }
 
@@ -799,7 +942,7 @@ int freqact_token_encode(const int64_t *geom, int bits, const float *x, const fl
                          uint64_t seed, uint16_t *lfc, uint16_t *lo, uint16_t *step,
                          uint8_t *codes, int threads) {
     const int64_t M = geom[T_M], T = geom[T_H] * geom[T_W], F = geom[T_F];
-    const int64_t nblocks = geom[T_NBH] * geom[T_NBW] * geom[T_NBF], longest = T > F ? T : F;
+    const int64_t nblocks = geom[T_NBH] * geom[T_NBW] * geom[T_NBF];
     const int chan = geom[T_STATS] == 1;
     const int dense = geom[T_SF] == 1 && (T == 1 || geom[T_SW] == F)
                       && (geom[T_H] == 1 || geom[T_SH] == geom[T_W] * F);
@@ -810,9 +953,8 @@ int freqact_token_encode(const int64_t *geom, int bits, const float *x, const fl
         float *ht = chan ? malloc((size_t)(T * F) * sizeof(float)) : NULL;
         float *acc = malloc((size_t)F * sizeof(float));
         float *row = malloc((size_t)F * sizeof(float));
-        float *u = malloc((size_t)longest * sizeof(float));
-        uint8_t *q = malloc((size_t)longest);
-        if (!p || (chan && !ht) || !acc || !row || !u || !q) {
+        float *u = noise ? NULL : malloc((size_t)(T * F + 16) * sizeof(float));
+        if (!p || (chan && !ht) || !acc || !row || (!noise && !u)) {
             failed = 1;
         } else {
 #pragma omp for schedule(dynamic, 1)  /* a descheduled thread holds up no fixed share */
@@ -821,7 +963,7 @@ int freqact_token_encode(const int64_t *geom, int bits, const float *x, const fl
                 if (dense) src = x + m * geom[T_SM];
                 else gather_panel(geom, x + m * geom[T_SM], p);
                 panel_residual(geom, src, p, lfc + m * nblocks, acc, row);
-                quantize_panel(geom, m, bits, p, ht, noise, seed, u, q, lo, step, codes);
+                quantize_panel(geom, m, bits, p, ht, noise, seed, u, lo, step, codes);
             }
         }
         free(p);
@@ -829,20 +971,17 @@ int freqact_token_encode(const int64_t *geom, int bits, const float *x, const fl
         free(acc);
         free(row);
         free(u);
-        free(q);
     }
     return failed ? -1 : 0;
 }
 
-/* out[i] = q[i] * step + lo for n codes, with the quant decode's edge rule: a sum that
- * overflows while q * (step / 4) + lo / 4 is finite becomes that times 4, saturated. */
-static void dequantize_row(const uint8_t *q, int64_t n, float lo_f, float step_f, float *out) {
-    int overflow = 0;
-    for (int64_t i = 0; i < n; i++) {
-        out[i] = (float)q[i] * step_f + lo_f;
-        overflow |= !isfinite(out[i]);
-    }
-    if (!overflow) return;
+/* out[i] = q[i] * step + lo for the n codes packed at `codes`, with the quant decode's edge
+ * rule: a sum that overflows while q * (step / 4) + lo / 4 is finite becomes that times 4,
+ * saturated. q: scratch of n bytes (used on overflow only). */
+static void dequantize_row(const uint8_t *codes, int64_t n, int bits, float lo_f, float step_f,
+                           uint8_t *q, float *out) {
+    if (!dequantize_codes(codes, n, bits, lo_f, step_f, 1, out)) return;
+    unpack_row(codes, n, q, bits);
     for (int64_t i = 0; i < n; i++) {
         const float quarter = (float)q[i] * (step_f * 0.25f) + lo_f * 0.25f;
         if (isfinite(out[i]) || !isfinite(quarter)) continue;
@@ -874,8 +1013,8 @@ int freqact_token_decode(const int64_t *geom, int bits, const uint16_t *lfc, con
                 float *hq = chan ? ht : h;
                 for (int64_t r = 0; r < maps; r++) {
                     const int64_t map = m * maps + r;
-                    unpack_row(codes + map * geom[T_CODE_BYTES], n, q, bits);
-                    dequantize_row(q, n, bf16_to_float(lo[map]), bf16_to_float(step[map]),
+                    dequantize_row(codes + map * geom[T_CODE_BYTES], n, bits,
+                                   bf16_to_float(lo[map]), bf16_to_float(step[map]), q,
                                    hq + r * n);
                 }
                 if (chan) transpose(ht, F, T, h);
