@@ -396,12 +396,14 @@ static inline __attribute__((always_inline)) i32x16 unpack16(const uint8_t *p, c
         return __builtin_convertvector(b, i32x16);
     }
     const uint32_t w0 = bits == 1 ? (uint32_t)p[0] | (uint32_t)p[1] << 8 : le32(p);
-    const uint32_t w1 = bits == 4 ? le32(p + 4) : w0;
-    u32x16 w, shift;
-    for (int l = 0; l < 16; l++) {
-        w[l] = l < 8 ? w0 : w1;
-        shift[l] = (uint32_t)(l * bits % 32);
+    const u32x16 zero = {0};
+    u32x16 w = zero + w0; /* broadcast (a lane-by-lane build is slow) */
+    if (bits == 4) {
+        const u32x16 low = {~0u, ~0u, ~0u, ~0u, ~0u, ~0u, ~0u, ~0u};
+        w = (w & low) | ((zero + le32(p + 4)) & ~low);
     }
+    u32x16 shift;
+    for (int l = 0; l < 16; l++) shift[l] = (uint32_t)(l * bits % 32);
     return (i32x16)((w >> shift) & ((1u << bits) - 1u));
 }
 
