@@ -141,6 +141,7 @@ typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint8_t u8x8 __attribute__((vector_size(8)));
 typedef uint8_t u8x4 __attribute__((vector_size(4)));
 typedef uint8_t u8x2 __attribute__((vector_size(2)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
 /* 8 SplitMix64 states at once (vpmullq with AVX-512 DQ) */
 typedef uint64_t u64x8 __attribute__((vector_size(64)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
@@ -789,11 +790,10 @@ static void gather_panel(const int64_t *g, const float *x, float *p) {
     }
 }
 
-/* The 8 x 8 floats at src (row stride ss) transposed to dst (row stride ds), in registers:
- * interleave pairs of rows, then pairs of pairs, then the two halves. */
-static inline void transpose8(const float *src, int64_t ss, float *dst, int64_t ds) {
-    f32x8 r[8], t[8], u[8];
-    for (int i = 0; i < 8; i++) memcpy(&r[i], src + i * ss, sizeof r[i]);
+/* The 8 x 8 floats of rows r transposed into columns c, in registers: interleave pairs of rows,
+ * then pairs of pairs, then the two halves. */
+static inline void transpose8_regs(const f32x8 r[8], f32x8 c[8]) {
+    f32x8 t[8], u[8];
     for (int i = 0; i < 8; i += 2) {
         t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
         t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
@@ -805,11 +805,17 @@ static inline void transpose8(const float *src, int64_t ss, float *dst, int64_t 
                                                        14, 15);
         }
     for (int k = 0; k < 4; k++) {
-        const f32x8 lo = __builtin_shufflevector(u[k], u[k + 4], 0, 1, 2, 3, 8, 9, 10, 11);
-        const f32x8 hi = __builtin_shufflevector(u[k], u[k + 4], 4, 5, 6, 7, 12, 13, 14, 15);
-        memcpy(dst + k * ds, &lo, sizeof lo);
-        memcpy(dst + (k + 4) * ds, &hi, sizeof hi);
+        c[k] = __builtin_shufflevector(u[k], u[k + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        c[k + 4] = __builtin_shufflevector(u[k], u[k + 4], 4, 5, 6, 7, 12, 13, 14, 15);
     }
+}
+
+/* The 8 x 8 floats at src (row stride ss) transposed to dst (row stride ds), in registers. */
+static inline void transpose8(const float *src, int64_t ss, float *dst, int64_t ds) {
+    f32x8 r[8], c[8];
+    for (int i = 0; i < 8; i++) memcpy(&r[i], src + i * ss, sizeof r[i]);
+    transpose8_regs(r, c);
+    for (int k = 0; k < 8; k++) memcpy(dst + k * ds, &c[k], sizeof c[k]);
 }
 
 /* dst (cols, rows) = src (rows, cols) transposed: 8 x 8 tiles in registers, the edges by
@@ -881,11 +887,118 @@ static void residual_row(const float *x, const float *m, int64_t n, float *out) 
     }
 }
 
+/* bf16 of f rounded to nearest even, lane-wise: bf16_nearest on 8 lanes. */
+static inline i32x8 bf16_nearest8(f32x8 f) {
+    u32x8 u;
+    memcpy(&u, &f, sizeof u);
+    i32x8 r = (i32x8)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    const i32x8 finite = ((i32x8)u & 0x7F800000) != 0x7F800000;
+    const i32x8 saturate = ((r & 0x7FFF) == 0x7F80) & finite;
+    r = (saturate & ((r & 0x8000) | (int32_t)BF16_MAX_BITS)) | (~saturate & r);
+    const i32x8 nan = f != f;
+    return (nan & 0x7FC0) | (~nan & r);
+}
+
+/* The sums 0 + s[8 l] + s[8 l + 1] + ... + s[8 l + 7] of 8 groups l of 8 floats at s, added in
+ * this order (as the scalar loop adds them), 8 groups in lanes through a transpose. */
+static inline f32x8 group_sums8(const float *s) {
+    f32x8 r[8], c[8];
+    for (int i = 0; i < 8; i++) memcpy(&r[i], s + 8 * i, sizeof r[i]);
+    transpose8_regs(r, c);
+    f32x8 sum = {0};
+    for (int e = 0; e < 8; e++) sum += c[e];
+    return sum;
+}
+
+/* lfc index of block (i, j, k) of a sequence */
+static inline int64_t lfc_index(const int64_t *g, int64_t i, int64_t j, int64_t k) {
+    return i * g[T_LH] + j * g[T_LW] + k * g[T_LF];
+}
+
+/* The lfc of 8 blocks from their sums (8 lanes) over count elements each: the division and
+ * rounding lane-wise, a block whose sum is not finite by the edge rule. Block l is (r, k0 + l),
+ * or with `per_token` (blocks of one token, nbf per token) the block g0 + l of the panel. */
+static void store_means8(const int64_t *g, const float *src, block_row r, int64_t k0,
+                         int per_token, f32x8 sum, float count, uint16_t *lfc) {
+    const f32x8 counts = {count, count, count, count, count, count, count, count};
+    const i32x8 bf16 = bf16_nearest8(sum / counts);
+    i32x8 bits;
+    memcpy(&bits, &sum, sizeof bits);
+    const i32x8 finite = (bits & 0x7F800000) != 0x7F800000;
+    int all_finite = 1;
+    for (int l = 0; l < 8; l++) all_finite &= finite[l] != 0;
+    /* the common case: finite sums, stored contiguously (lanes extracted one by one are slow) */
+    const int64_t first = per_token ? k0 : lfc_index(g, r.i, r.j, k0);
+    const int contiguous = per_token ? g[T_H] == 1 && g[T_LW] == g[T_NBF] && g[T_LF] == 1
+                                     : g[T_LF] == 1;
+    if (all_finite && contiguous) {
+        const u16x8 v = __builtin_convertvector(bf16, u16x8);
+        memcpy(lfc + first, &v, sizeof v);
+        return;
+    }
+    for (int l = 0; l < 8; l++) {
+        int64_t k = k0 + l;
+        if (per_token) {
+            const int64_t t = k / g[T_NBF];
+            r = block_row_at(g, t / g[T_W], t % g[T_W]);
+            k %= g[T_NBF];
+        }
+        uint16_t v = (uint16_t)bf16[l];
+        if (!isfinite(sum[l])) v = bf16_nearest(scaled_panel_mean(g, src, r, k, sum[l], count));
+        lfc[lfc_index(g, r.i, r.j, k)] = v;
+    }
+}
+
+/* The lfc of a panel whose blocks are one token by 8 features (F a multiple of 8): its
+ * T * F / 8 blocks are consecutive groups of 8 floats, 8 of them at a time in lanes (a block row
+ * alone has too few when F < 64); the last ones by row_means' scalar loop (returns how many
+ * whole tokens were done). */
+static int64_t token_means(const int64_t *g, const float *src, uint16_t *lfc) {
+    const int64_t T = g[T_H] * g[T_W], nbf = g[T_NBF];
+    const block_row unused = {0, 0, 0, 0, 0, 0};
+    int64_t b = 0;
+    for (; b + 8 <= T * nbf; b += 8)
+        store_means8(g, src, unused, b, 1, group_sums8(src + b * 8), 8.0f, lfc);
+    return b / nbf;
+}
+
+/* The lfc of block row r from its sums over its tokens (F floats; tokens of them): 8 blocks at
+ * a time in lanes when a block is one feature or 8 of them (F a multiple of 8), else one by
+ * one. */
+static void row_means(const int64_t *g, const float *src, block_row r, const float *sums,
+                      float tokens, uint16_t *lfc) {
+    const int64_t F = g[T_F], bf = g[T_BF], nbf = g[T_NBF];
+    int64_t k = 0;
+    if (bf == 1 || (bf == 8 && F % 8 == 0))
+        for (; k + 8 <= nbf; k += 8) {
+            f32x8 sum = {0};
+            if (bf == 1) {
+                f32x8 v;
+                memcpy(&v, sums + k, sizeof v);
+                sum += v; /* 0 + v, as the scalar loop (-0 becomes +0) */
+            } else {
+                sum = group_sums8(sums + k * 8);
+            }
+            store_means8(g, src, r, k, 0, sum, tokens * (float)bf, lfc);
+        }
+    for (; k < nbf; k++) {
+        const int64_t f0 = k * bf, f1 = f0 + bf < F ? f0 + bf : F;
+        float sum = 0.0f;
+        for (int64_t f = f0; f < f1; f++) sum += sums[f];
+        const float count = tokens * (float)(f1 - f0);
+        const float mean = isfinite(sum) ? sum / count : scaled_panel_mean(g, src, r, k, sum, count);
+        lfc[lfc_index(g, r.i, r.j, k)] = bf16_nearest(mean);
+    }
+}
+
 /* Block means of the panel src ((H * W, F), contiguous) into lfc and its residual into p (which
  * may be src). acc, row: scratch of F floats. */
 static void panel_residual(const int64_t *g, const float *src, float *p, uint16_t *lfc,
                            float *acc, float *row) {
-    const int64_t W = g[T_W], F = g[T_F], bf = g[T_BF];
+    const int64_t W = g[T_W], F = g[T_F];
+    /* blocks of one token x 8 features: their means first, for the whole panel */
+    const int64_t done = g[T_BH] * g[T_BW] == 1 && g[T_BF] == 8 && F % 8 == 0
+                         ? token_means(g, src, lfc) : 0;
     for (int64_t i = 0; i < g[T_NBH]; i++)
         for (int64_t j = 0; j < g[T_NBW]; j++) {
             const block_row r = block_row_at(g, i, j);
@@ -900,15 +1013,7 @@ static void panel_residual(const int64_t *g, const float *src, float *p, uint16_
                         for (int64_t f = 0; f < F; f++) acc[f] += x[f];
                     }
             }
-            for (int64_t k = 0; k < g[T_NBF]; k++) {
-                const int64_t f0 = k * bf, f1 = f0 + bf < F ? f0 + bf : F;
-                float sum = 0.0f;
-                for (int64_t f = f0; f < f1; f++) sum += sums[f];
-                const float count = tokens * (float)(f1 - f0);
-                const float mean = isfinite(sum) ? sum / count
-                                                 : scaled_panel_mean(g, src, r, k, sum, count);
-                lfc[i * g[T_LH] + j * g[T_LW] + k * g[T_LF]] = bf16_nearest(mean);
-            }
+            if (r.h0 * W + r.w0 >= done) row_means(g, src, r, sums, tokens, lfc);
             mean_row(g, lfc, r, row);
             for (int64_t h = r.h0; h < r.h1; h++)
                 for (int64_t w = r.w0; w < r.w1; w++)
