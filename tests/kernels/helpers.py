@@ -99,3 +99,18 @@ def assert_stochastic_rounding(x: torch.Tensor, packed) -> None:
         i = i[(i // lag) % 2 == 0]
         p = f[:, i] * f[:, i + lag]
         assert (up[:, i] * up[:, i + lag] - p).sum().abs() <= 4 * (p * (1 - p)).sum().sqrt()
+
+
+def splitmix_uniforms(seed: int, count: int) -> torch.Tensor:
+    """The documented noise of the C kernels, written independently in Python integers: element g
+    takes bits 40-63 (even g) or 16-39 (odd g) of SplitMix64's draw at seed + (g // 2 + 1) * gamma,
+    times 2**-24."""
+    mask = 2**64 - 1
+    out = []
+    for g in range(count):
+        z = (seed + (g // 2 + 1) * 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z ^= z >> 31
+        out.append(((z >> 16) & 0xFFFFFF if g % 2 else z >> 40) * 2.0**-24)
+    return torch.tensor(out, dtype=torch.float32)

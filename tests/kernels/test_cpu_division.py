@@ -10,7 +10,7 @@ import torch
 import freqact.kernels as K
 from freqact.kernels import cpu
 from freqact.kernels import format as fmt
-from tests.kernels.helpers import assert_same_bytes, at_thread_counts, dyadic
+from tests.kernels.helpers import assert_same_bytes, at_thread_counts, dyadic, splitmix_uniforms
 
 pytestmark = pytest.mark.skipif(not cpu.available(),
                                 reason=f"C kernels unavailable: {cpu.unavailable_reason()}")
@@ -57,27 +57,42 @@ def test_a_compiler_without_openmp_still_builds_single_threaded(monkeypatch, tmp
         cpu._library.cache_clear()
 
 
-def _splitmix_uniforms(seed: int, count: int) -> torch.Tensor:
-    """The documented noise of the C kernels, written independently in Python integers: element g
-    takes bits 40-63 (even g) or 16-39 (odd g) of SplitMix64's draw at seed + (g // 2 + 1) * gamma,
-    times 2**-24."""
-    mask = 2**64 - 1
-    out = []
-    for g in range(count):
-        z = (seed + (g // 2 + 1) * 0x9E3779B97F4A7C15) & mask
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-        z ^= z >> 31
-        out.append(((z >> 16) & 0xFFFFFF if g % 2 else z >> 40) * 2.0**-24)
-    return torch.tensor(out, dtype=torch.float32)
-
-
 @pytest.mark.parametrize("shape", [(2, 3, 7, 9), (3, 1, 5)], ids=str)  # odd maps: pairs straddle
 def test_own_noise_is_the_documented_splitmix_stream(shape):
     seed = 0x0123456789ABCDEF
     x = dyadic(shape, torch.float32, torch.Generator().manual_seed(10))
-    noise = _splitmix_uniforms(seed, x.numel()).reshape(shape)
+    noise = splitmix_uniforms(seed, x.numel()).reshape(shape)
     lfc, lo, step, codes = cpu.encode(x, fmt.geometry(x.shape, 4), 2, None, seed)
     want = K.division_encode(x, 4, 2, noise, backend="torch")
     got = fmt.DivisionPacked(lfc, lo, step, codes, x.shape, x.dtype, 4, 2)
     assert_same_bytes(got, want)
+
+
+# Map lengths around the kernels' vector widths: 8 lanes for the min/max, 16 for the quantise,
+# pack, unpack and dequantise steps and for the 8 SplitMix64 draws of one noise step; odd lengths
+# start every other map at an odd element of the noise stream (its pair straddles two maps).
+LENGTHS = [1, 7, 8, 9, 15, 16, 17, 31, 33]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("block", [None, 4], ids=["quant", "division"])
+def test_map_lengths_around_the_vector_widths_own_noise_and_edges(bits, block):
+    seed = 0xFEDCBA9876543210
+    gen = torch.Generator().manual_seed(bits)
+    for n in LENGTHS:
+        x = dyadic((2, 3, n), torch.float32, gen)
+        x[1, 0, n // 2], x[1, 1, 0], x[1, 2, n - 1] = float("nan"), float("inf"), -float("inf")
+        noise = splitmix_uniforms(seed, x.numel()).reshape(x.shape)
+        lfc, lo, step, codes = cpu.encode(x, fmt.geometry(x.shape, block), bits, None, seed)
+        if block is None:
+            got = fmt.QuantPacked(lo, step, codes, x.shape, x.dtype, bits)
+            want = K.quantize_encode(x, bits, noise, backend="torch")
+        else:
+            got = fmt.DivisionPacked(lfc, lo, step, codes, x.shape, x.dtype, block, bits)
+            want = K.division_encode(x, block, bits, noise, backend="torch")
+            # a NaN mean's payload is torch's own (a one-element NaN block): compared as values
+            torch.testing.assert_close(got.lfc, want.lfc, rtol=0, atol=0, equal_nan=True)
+        assert_same_bytes(got, want, ("lo", "step", "codes"))
+        torch.testing.assert_close(K.division_decode(got, backend="cpu"),
+                                   K.division_decode(want, backend="torch"), rtol=0, atol=0,
+                                   equal_nan=True)

@@ -13,7 +13,13 @@ import freqact.kernels as K
 from freqact import codecs
 from freqact.engine.layouts import BLOCKS, STATS, TokenLayout
 from freqact.kernels import cpu
-from tests.kernels.helpers import assert_same_bytes, at_thread_counts, bytes_of, dyadic
+from tests.kernels.helpers import (
+    assert_same_bytes,
+    at_thread_counts,
+    bytes_of,
+    dyadic,
+    splitmix_uniforms,
+)
 
 pytestmark = pytest.mark.skipif(not cpu.available(),
                                 reason=f"C kernels unavailable: {cpu.unavailable_reason()}")
@@ -168,3 +174,35 @@ def test_bad_noise_and_mismatched_parts_are_refused():
         cpu.token_encode(panel, bad, 2, None, 0)
     with pytest.raises(ValueError, match="^noise: expected shape"):
         cpu.token_encode(panel, geom, 2, torch.rand(2, 20, 16), 0)
+
+
+# Quant maps of n elements around the kernels' vector widths (tokens for chan, features for tok:
+# 8 lanes for the min/max, 16 for the quantise/pack/dequantise steps and one noise step; odd n
+# start every other map at an odd element of the noise stream), 64 features for chan: eight
+# feature blocks of 8 (one step of the block means' lanes).
+LENGTHS = [1, 7, 8, 9, 15, 16, 17, 31, 33]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize(("blocks", "stats"), LAYOUTS)
+def test_map_lengths_around_the_vector_widths_with_own_noise(blocks, stats, bits):
+    ref, fused = _pair(blocks, stats, bits)
+    seed = 0x0123456789ABCDEF
+    gen = torch.Generator().manual_seed(bits)
+    for n in LENGTHS:
+        shape = ((2, n, 64) if stats == "chan" else (2, 9, n)) if blocks != "grid64" else (
+            (2, 2, n, 64) if stats == "chan" else (2, 3, 3, n))
+        x = dyadic(shape, torch.float32, gen)
+        geom, head = fused._geometry(shape)[:2]
+        count = geom.quant_shape[0] * geom.quant_shape[1] * geom.quant_shape[2]
+        noise = splitmix_uniforms(seed, count).reshape(geom.quant_shape)
+        want = ref.encode(x, noise)
+        lfc, lo, step, codes = cpu.token_encode(TokenLayout._panel(x, head, geom), geom, bits,
+                                                None, seed)
+        for got_part, want_part in ((lfc, want.lfc.lfc), (lo, want.quant.lo),
+                                    (step, want.quant.step), (codes, want.quant.codes)):
+            assert torch.equal(bytes_of(got_part), bytes_of(want_part)), (n, shape)
+        out = torch.empty(geom.panel[0], geom.panel[1] * geom.panel[2], geom.panel[3])
+        cpu.token_decode(lfc, lo, step, codes, geom, bits, out)
+        body = ref.decode(want).reshape(shape[0], -1, shape[-1])[:, head:]
+        assert torch.equal(out, body), (n, shape)
