@@ -142,6 +142,7 @@ typedef uint8_t u8x8 __attribute__((vector_size(8)));
 typedef uint8_t u8x4 __attribute__((vector_size(4)));
 typedef uint8_t u8x2 __attribute__((vector_size(2)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
 /* 8 SplitMix64 states at once (vpmullq with AVX-512 DQ) */
 typedef uint64_t u64x8 __attribute__((vector_size(64)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
@@ -1021,6 +1022,145 @@ static void panel_residual(const int64_t *g, const float *src, float *p, uint16_
         }
 }
 
+/* --- chan maps 16 at a time: one map (a feature column of the panel) per lane --------------
+ *
+ * For `chan` stats without given noise, T even and F a multiple of 16, the maps are read down the
+ * columns of the residual panel, 16 of them in lanes: no transpose and no per-map reductions.
+ * Per lane these are quantize_map's float operations in its order (the same bytes): min/max in
+ * 8 phase accumulators (token t of the first T - T % 8 in phase t % 8) reduced as first_extreme
+ * reduces its lanes, then the tail tokens in order. With T even, the draw of map r's tokens
+ * t, t + 1 (t even) is draw ((m * F + r) * T + t) / 2, its bits 40-63 for t and 16-39 for t + 1. */
+
+/* Lane-wise `mask ? a : b` on 16 bf16 bit patterns in int32 lanes */
+static inline i32x16 pick16(i32x16 mask, i32x16 a, i32x16 b) { return (mask & a) | (~mask & b); }
+
+/* bf16_directed on 16 lanes (bit patterns in int32 lanes). */
+static inline i32x16 bf16_directed16(f32x16 f, int up) {
+    u32x16 u;
+    memcpy(&u, &f, sizeof u);
+    i32x16 kept = (i32x16)(u >> 16);
+    const i32x16 dropped = (i32x16)(u & 0xFFFFu) != 0;
+    kept -= dropped & (up ? f > 0.0f : f < 0.0f); /* a true lane is -1 */
+    kept += ((kept & 0x7FFF) == 0x7F80) & finite16(f);
+    return pick16(f != f, (i32x16){0} + 0x7FC0, kept);
+}
+
+static inline f32x16 bf16_to_float16(i32x16 b) {
+    const i32x16 bits = b << 16;
+    f32x16 f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Combine phases of accumulators pairwise as first_extreme combines lanes: acc[a] keeps its
+ * value unless acc[b] is strictly below (above for max). */
+static inline void combine_phases(f32x16 *acc, int a, int b, int max) {
+    acc[a] = select16(max ? acc[b] > acc[a] : acc[b] < acc[a], acc[b], acc[a]);
+}
+
+/* Phases k and k + step of accumulators combined into k for step = 1, 2, 4, as first_extreme
+ * combines its lanes. */
+static inline void reduce_phases(f32x16 *mn, f32x16 *mx) {
+    for (int step = 1; step < 8; step *= 2)
+        for (int k = 0; k < 8; k += 2 * step) {
+            combine_phases(mn, k, k + step, 0);
+            combine_phases(mx, k, k + step, 1);
+        }
+}
+
+/* min and max of the 16 columns at c of the residual panel p (T x F), NaN where a column has
+ * one, in quantize_map's order. */
+static void column_range(const float *p, int64_t T, int64_t F, int64_t c, f32x16 *mn_out,
+                         f32x16 *mx_out) {
+    f32x16 mn[8], mx[8], v;
+    i32x16 nan = {0};
+    for (int k = 0; k < 8; k++) mn[k] = splat16(INFINITY), mx[k] = splat16(-INFINITY);
+    const int64_t whole = T - T % 8;
+    for (int64_t t = 0; t < whole; t++) {
+        memcpy(&v, p + t * F + c, sizeof v);
+        const int k = (int)(t % 8);
+        mn[k] = select16(v < mn[k], v, mn[k]);
+        mx[k] = select16(v > mx[k], v, mx[k]);
+        nan |= v != v;
+    }
+    reduce_phases(mn, mx);
+    for (int64_t t = whole; t < T; t++) {
+        memcpy(&v, p + t * F + c, sizeof v);
+        mn[0] = select16(v < mn[0], v, mn[0]);
+        mx[0] = select16(v > mx[0], v, mx[0]);
+        nan |= v != v;
+    }
+    *mn_out = select16(nan, splat16(NAN), mn[0]);
+    *mx_out = select16(nan, splat16(NAN), mx[0]);
+}
+
+/* The 4-byte word w of codes at out (its first n <= 4 bytes), little-endian. */
+static inline void store_word(uint32_t w, uint8_t *out, int64_t n) {
+    for (int64_t b = 0; b < n; b++) out[b] = (uint8_t)(w >> (8 * b));
+}
+
+/* The uniforms of tokens t (even) and t + 1 of 16 maps from their draws' states z (then
+ * advanced to the next draw). */
+static inline void column_uniforms(u64x8 z[2], f32x16 u[2]) {
+    const u64x8 r0 = splitmix8(z[0]), r1 = splitmix8(z[1]);
+    const u32x8 hi0 = __builtin_convertvector(r0 >> 40, u32x8);
+    const u32x8 hi1 = __builtin_convertvector(r1 >> 40, u32x8);
+    const u32x8 lo0 = __builtin_convertvector((r0 >> 16) & 0xFFFFFF, u32x8);
+    const u32x8 lo1 = __builtin_convertvector((r1 >> 16) & 0xFFFFFF, u32x8);
+    const u32x16 even = __builtin_shufflevector(hi0, hi1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                12, 13, 14, 15);
+    const u32x16 odd = __builtin_shufflevector(lo0, lo1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                               12, 13, 14, 15);
+    u[0] = __builtin_convertvector((i32x16)even, f32x16) * splat16(0x1p-24f);
+    u[1] = __builtin_convertvector((i32x16)odd, f32x16) * splat16(0x1p-24f);
+    z[0] += GOLDEN_GAMMA;
+    z[1] += GOLDEN_GAMMA;
+}
+
+/* Quantise and pack the 16 chan maps of sequence m at columns c (maps m * F + c + lane). */
+static void quantize_columns(const int64_t *g, int64_t m, int64_t c, int bits, const float *p,
+                             uint64_t seed, uint16_t *lo, uint16_t *step, uint8_t *codes) {
+    const int64_t T = g[T_H] * g[T_W], F = g[T_F], cb = g[T_CODE_BYTES], map0 = m * F + c;
+    f32x16 mn, mx;
+    column_range(p, T, F, c, &mn, &mx);
+    const f32x16 qmax = splat16((float)((1 << bits) - 1)), zero = {0};
+    const i32x16 lo_b = bf16_directed16(mn, 0);
+    const f32x16 lo_f = bf16_to_float16(lo_b), span = mx - lo_f;
+    /* the edge rule: a span that overflows in a finite map */
+    const i32x16 over = ~finite16(span) & (span == span) & finite16(mx) & finite16(lo_f);
+    const i32x16 step_b = bf16_directed16(select16(over, mx / qmax - lo_f / qmax, span / qmax), 1);
+    const f32x16 step_f = bf16_to_float16(step_b);
+    const f32x16 div = select16(step_f == zero, splat16(1.0f), step_f);
+    const u16x16 lo16 = __builtin_convertvector(lo_b, u16x16);
+    const u16x16 step16 = __builtin_convertvector(step_b, u16x16);
+    memcpy(lo + map0, &lo16, sizeof lo16);
+    memcpy(step + map0, &step16, sizeof step16);
+    const u64x8 lanes = {0, 1, 2, 3, 4, 5, 6, 7};
+    u64x8 z[2];
+    for (int half = 0; half < 2; half++)
+        z[half] = seed + (((uint64_t)map0 + 8u * half + lanes) * (uint64_t)(T / 2) + 1u)
+                         * GOLDEN_GAMMA;
+    const int64_t per_word = 32 / bits;
+    u32x16 word = {0};
+    for (int64_t t = 0; t < T; t += 2) {
+        f32x16 u[2];
+        column_uniforms(z, u);
+        for (int64_t e = t; e < t + 2; e++) {
+            f32x16 h;
+            memcpy(&h, p + e * F + c, sizeof h);
+            f32x16 q = u[e - t] + (h - lo_f) / div;
+            q = select16(q > zero, q, zero); /* NaN -> 0 */
+            q = select16(q < qmax, q, qmax);
+            word |= (u32x16)__builtin_convertvector(q, i32x16) << (uint32_t)(e % per_word * bits);
+            if (e % per_word == per_word - 1 || e == T - 1) {
+                const int64_t at = e / per_word * 4, n = cb - at < 4 ? cb - at : 4;
+                for (int l = 0; l < 16; l++) store_word(word[l], codes + (map0 + l) * cb + at, n);
+                word = (u32x16){0};
+            }
+        }
+    }
+}
+
 /* Quantise the residual panel of sequence m: one map per token row (tok) or per feature column
  * (chan, through the transposed copy ht). u: scratch of T * F + 16 floats (the panel's maps
  * follow each other in the noise stream: their uniforms are drawn in one go). */
@@ -1030,6 +1170,10 @@ static void quantize_panel(const int64_t *g, int64_t m, int bits, const float *p
     const int64_t T = g[T_H] * g[T_W], F = g[T_F];
     const int chan = g[T_STATS] == 1;
     const int64_t maps = chan ? F : T, n = chan ? T : F;
+    if (chan && !noise && T % 2 == 0 && F % 16 == 0) {
+        for (int64_t c = 0; c < F; c += 16) quantize_columns(g, m, c, bits, p, seed, lo, step, codes);
+        return;
+    }
     if (chan) transpose(p, T, F, ht);
     const float *h = chan ? ht : p;
     const float *uniforms = noise ? noise + m * maps * n

@@ -1,5 +1,5 @@
 """Shared by the kernel tests: when the Triton kernels can run, byte comparison of packed forms,
-dyadic data, and the statistics of stochastic rounding."""
+dyadic data, the statistics of stochastic rounding, and the C kernels' documented noise stream."""
 from __future__ import annotations
 
 import os
