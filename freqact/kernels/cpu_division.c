@@ -1024,12 +1024,12 @@ static void panel_residual(const int64_t *g, const float *src, float *p, uint16_
 
 /* --- chan maps 16 at a time: one map (a feature column of the panel) per lane --------------
  *
- * For `chan` stats without given noise, T even and F a multiple of 16, the maps are read down the
+ * For `chan` stats without given noise and F a multiple of 16, the maps are read down the
  * columns of the residual panel, 16 of them in lanes: no transpose and no per-map reductions.
  * Per lane these are quantize_map's float operations in its order (the same bytes): min/max in
  * 8 phase accumulators (token t of the first T - T % 8 in phase t % 8) reduced as first_extreme
- * reduces its lanes, then the tail tokens in order. With T even, the draw of map r's tokens
- * t, t + 1 (t even) is draw ((m * F + r) * T + t) / 2, its bits 40-63 for t and 16-39 for t + 1. */
+ * reduces its lanes, then the tail tokens in order; the uniforms are those of the map's elements
+ * in the stream, drawn per lane. */
 
 /* Lane-wise `mask ? a : b` on 16 bf16 bit patterns in int32 lanes */
 static inline i32x16 pick16(i32x16 mask, i32x16 a, i32x16 b) { return (mask & a) | (~mask & b); }
@@ -1099,22 +1099,24 @@ static inline void store_word(uint32_t w, uint8_t *out, int64_t n) {
     for (int64_t b = 0; b < n; b++) out[b] = (uint8_t)(w >> (8 * b));
 }
 
-/* The uniforms of tokens t (even) and t + 1 of 16 maps from their draws' states z (then
- * advanced to the next draw). */
-static inline void column_uniforms(u64x8 z[2], f32x16 u[2]) {
-    const u64x8 r0 = splitmix8(z[0]), r1 = splitmix8(z[1]);
-    const u32x8 hi0 = __builtin_convertvector(r0 >> 40, u32x8);
-    const u32x8 hi1 = __builtin_convertvector(r1 >> 40, u32x8);
-    const u32x8 lo0 = __builtin_convertvector((r0 >> 16) & 0xFFFFFF, u32x8);
-    const u32x8 lo1 = __builtin_convertvector((r1 >> 16) & 0xFFFFFF, u32x8);
-    const u32x16 even = __builtin_shufflevector(hi0, hi1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
-                                                12, 13, 14, 15);
-    const u32x16 odd = __builtin_shufflevector(lo0, lo1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
-                                               12, 13, 14, 15);
-    u[0] = __builtin_convertvector((i32x16)even, f32x16) * splat16(0x1p-24f);
-    u[1] = __builtin_convertvector((i32x16)odd, f32x16) * splat16(0x1p-24f);
-    z[0] += GOLDEN_GAMMA;
-    z[1] += GOLDEN_GAMMA;
+/* Bits 40-63 (hi) or 16-39 of the 16 draws r (two halves of 8 lanes), 24 bits per lane. */
+static inline u32x16 draw_bits(const u64x8 r[2], int hi) {
+    const u32x8 a = __builtin_convertvector(hi ? r[0] >> 40 : (r[0] >> 16) & 0xFFFFFF, u32x8);
+    const u32x8 b = __builtin_convertvector(hi ? r[1] >> 40 : (r[1] >> 16) & 0xFFFFFF, u32x8);
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+/* 24 bits per lane scaled to [0, 1) by 2^-24 (exact, as the scalar conversion) */
+static inline f32x16 uniform16(u32x16 bits) {
+    return __builtin_convertvector((i32x16)bits, f32x16) * splat16(0x1p-24f);
+}
+
+/* The next draw of 16 maps (their states z advanced by one draw). */
+static inline void next_draw(u64x8 z[2], u64x8 r[2]) {
+    for (int half = 0; half < 2; half++) {
+        r[half] = splitmix8(z[half]);
+        z[half] += GOLDEN_GAMMA;
+    }
 }
 
 /* Quantise and pack the 16 chan maps of sequence m at columns c (maps m * F + c + lane). */
@@ -1135,17 +1137,29 @@ static void quantize_columns(const int64_t *g, int64_t m, int64_t c, int bits, c
     const u16x16 step16 = __builtin_convertvector(step_b, u16x16);
     memcpy(lo + map0, &lo16, sizeof lo16);
     memcpy(step + map0, &step16, sizeof step16);
+    /* map l's element t is element first_l + t of the stream, first_l = (map0 + l) * T: an
+     * even first_l takes tokens t, t + 1 (t even) from one draw (cur), an odd one token t from
+     * cur's low bits and t + 1 from the next draw's high bits */
     const u64x8 lanes = {0, 1, 2, 3, 4, 5, 6, 7};
-    u64x8 z[2];
-    for (int half = 0; half < 2; half++)
-        z[half] = seed + (((uint64_t)map0 + 8u * half + lanes) * (uint64_t)(T / 2) + 1u)
-                         * GOLDEN_GAMMA;
+    u64x8 z[2], cur[2], next[2];
+    i32x16 odd;
+    for (int half = 0; half < 2; half++) {
+        const u64x8 first = ((uint64_t)map0 + 8u * half + lanes) * (uint64_t)T;
+        z[half] = seed + ((first >> 1) + 1u) * GOLDEN_GAMMA;
+        for (int l = 0; l < 8; l++) odd[8 * half + l] = -(int32_t)(first[l] & 1u);
+    }
+    next_draw(z, cur);
     const int64_t per_word = 32 / bits;
     u32x16 word = {0};
     for (int64_t t = 0; t < T; t += 2) {
-        f32x16 u[2];
-        column_uniforms(z, u);
-        for (int64_t e = t; e < t + 2; e++) {
+        next_draw(z, next);
+        const u32x16 odd_bits = (u32x16)odd;
+        const u32x16 cur_hi = draw_bits(cur, 1), cur_lo = draw_bits(cur, 0);
+        const f32x16 u[2] = {uniform16((odd_bits & cur_lo) | (~odd_bits & cur_hi)),
+                             uniform16((odd_bits & draw_bits(next, 1)) | (~odd_bits & cur_lo))};
+        cur[0] = next[0];
+        cur[1] = next[1];
+        for (int64_t e = t; e < t + 2 && e < T; e++) {
             f32x16 h;
             memcpy(&h, p + e * F + c, sizeof h);
             f32x16 q = u[e - t] + (h - lo_f) / div;
@@ -1170,7 +1184,7 @@ static void quantize_panel(const int64_t *g, int64_t m, int bits, const float *p
     const int64_t T = g[T_H] * g[T_W], F = g[T_F];
     const int chan = g[T_STATS] == 1;
     const int64_t maps = chan ? F : T, n = chan ? T : F;
-    if (chan && !noise && T % 2 == 0 && F % 16 == 0) {
+    if (chan && !noise && F % 16 == 0) {
         for (int64_t c = 0; c < F; c += 16) quantize_columns(g, m, c, bits, p, seed, lo, step, codes);
         return;
     }
