@@ -25,8 +25,11 @@
  * on the seed alone, not on the thread count.
  *
  * Built with -ffp-contract=off and without -ffast-math: every float operation rounds as the
- * reference's torch operations do. Loops are written so that the compiler vectorises them
- * (flat loops over a map, lane arrays for the min/max) rather than with intrinsics.
+ * reference's torch operations do. Loops are written so that the compiler vectorises them (flat
+ * loops over a map) or with GCC/Clang vector types (min/max lanes, 16 codes per quantise, pack,
+ * unpack and dequantise step, 8 SplitMix64 draws at a time, 8 token blocks' means in lanes), not
+ * with intrinsics: the file builds for any CPU, as scalar code without vector units. Each vector
+ * step does per lane the float operations of the scalar code in its order (the same bytes).
  */
 #include <float.h>
 #include <math.h>
@@ -271,33 +274,40 @@ static void block_means(const geometry *g, const float *x, float *colsum, uint16
     }
 }
 
-/* out[i] = x[i] + sign * (value of i's block) for sign = +1 or -1 (decode's base, encode's
- * residual): a flat loop when the map is one block, else per row against that row's block
- * values spread over its W columns (rebuilt when the block row changes; row: scratch of W). */
-static void add_block_values(const geometry *g, const float *x, const float *values, float sign,
+/* out[i] = x[i] - m[i], saturated at +-FLT_MAX where that overflows for a finite x (the edge
+ * rule; written as selects so that it vectorises). out may be x. */
+static void residual_row(const float *x, const float *m, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        const float r = x[i] - m[i];
+        const int fix = (fabsf(r) == INFINITY) & (fabsf(x[i]) < INFINITY);
+        out[i] = fix ? copysignf(FLT_MAX, r) : r;
+    }
+}
+
+/* out[i] = x[i] + (value of i's block) (decode's base), or with `subtract` the encode's residual
+ * x[i] - value, saturated (residual_row; x + (-v) before, the same value and bytes: only a NaN's
+ * sign bit can differ, and a NaN residual becomes code 0 and a NaN min/max either way): a flat
+ * loop when the map is one block, else per row against that row's block values spread over its
+ * W columns (rebuilt when the block row changes; row: scratch of W). */
+static void add_block_values(const geometry *g, const float *x, const float *values, int subtract,
                              float *row, float *out) {
     const int64_t W = g->size[2], rows = g->size[0] * g->size[1];
     int64_t current = -1;
     for (int64_t r = 0; r < rows; r++) {
         if (g->nblocks == 1) {
             if (current < 0)
-                for (int64_t w = 0; w < W; w++) row[w] = sign * values[0];
+                for (int64_t w = 0; w < W; w++) row[w] = values[0];
         } else if (g->row_blocks[r] != current) {
             const float *v = values + g->row_blocks[r] * g->nb[2];
             for (int64_t j = 0, w = 0; j < g->nb[2]; j++)
-                for (int64_t k = 0; k < g->blk[2] && w < W; k++, w++) row[w] = sign * v[j];
+                for (int64_t k = 0; k < g->blk[2] && w < W; k++, w++) row[w] = v[j];
         }
         current = g->nblocks == 1 ? 0 : g->row_blocks[r];
         const float *xr = x + r * W;
         float *o = out + r * W;
-        for (int64_t w = 0; w < W; w++) o[w] = xr[w] + row[w];
+        if (subtract) residual_row(xr, row, W, o);
+        else for (int64_t w = 0; w < W; w++) o[w] = xr[w] + row[w];
     }
-}
-
-/* The edge rule: a residual that overflowed for a finite x saturates at +-FLT_MAX. */
-static void saturate_residual(const float *x, int64_t n, float *residual) {
-    for (int64_t i = 0; i < n; i++)
-        if (isinf(residual[i]) && isfinite(x[i])) residual[i] = residual[i] > 0 ? FLT_MAX : -FLT_MAX;
 }
 
 /* --- packing: code i of a row at bit (i % (8 / bits)) * bits of byte i / (8 / bits) ----------- */
@@ -533,8 +543,7 @@ int freqact_division_encode(const int64_t *geom, int bits, const float *x, const
                 const float *xm = x + m * g.numel;
                 if (block) {
                     block_means(&g, xm, colsum, lfc + m * g.nblocks, means);
-                    add_block_values(&g, xm, means, -1.0f, row, residual);
-                    saturate_residual(xm, g.numel, residual);
+                    add_block_values(&g, xm, means, 1, row, residual);
                 }
                 const float *u = noise ? noise + m * g.numel
                                        : splitmix_uniforms(seed, (uint64_t)(m * g.numel),
@@ -606,7 +615,7 @@ static void redo_at_quarter_scale(const geometry *g, const uint16_t *lfc, float 
     for (int64_t b = 0; b < g->nblocks; b++)
         base[b] = lfc ? bf16_to_float(lfc[b]) * 0.25f + lo_f * 0.25f : lo_f * 0.25f;
     for (int64_t i = 0; i < g->numel; i++) scaled[i] = (float)q[i] * (step_f * 0.25f);
-    add_block_values(g, scaled, base, 1.0f, row, scaled);
+    add_block_values(g, scaled, base, 0, row, scaled);
     for (int64_t i = 0; i < g->numel; i++) {
         if (isfinite(out[i]) || !isfinite(scaled[i])) continue;
         const float v = scaled[i] * 4.0f;
@@ -671,7 +680,7 @@ int freqact_division_decode(const int64_t *geom, int bits, const uint16_t *lfc,
                 const uint8_t *cm = codes + m * g.code_bytes;
                 dequantize_codes(cm, g.numel, bits, 0.0f, step_f, 0, scaled);
                 float *o = out + m * g.numel;
-                add_block_values(&g, scaled, base, 1.0f, row, o);
+                add_block_values(&g, scaled, base, 0, row, o);
                 int overflow = 0;
                 for (int64_t i = 0; i < g.numel; i++) overflow |= !isfinite(o[i]);
                 if (overflow) {
@@ -770,7 +779,8 @@ void freqact_unpack_mask(int64_t n, const uint8_t *packed, float off, float on, 
  * elements, map index m * T + t) or per feature column (stats 1, `chan`: maps of T = H * W
  * elements, map index m * F + f), the quant view whose element g draws uniform g (noise[g], or
  * SplitMix64 as above). Per sequence, in cache: gather, block sums, residual, (transpose,)
- * quantise + pack. Decode: mean + (q * step + lo) with the quant decode's edge rule, into a
+ * quantise + pack; `chan` maps drawing their own noise go 16 at a time down the columns instead
+ * (quantize_columns) when F is a multiple of 16. Decode: mean + (q * step + lo) with the quant decode's edge rule, into a
  * float32 (H * W, F) panel per sequence at out + m * out_stride. */
 
 enum { T_M, T_H, T_W, T_F, T_BH, T_BW, T_BF, T_NBH, T_NBW, T_NBF, T_LH, T_LW, T_LF, T_STATS,
@@ -876,16 +886,6 @@ static float scaled_panel_mean(const int64_t *g, const float *p, block_row r, in
                 s += v * 0x1p-64f;
             }
     return s / count / 0x1p-64f;
-}
-
-/* out[i] = x[i] - m[i], saturated at +-FLT_MAX where that overflows for a finite x (the edge
- * rule; written as selects so that it vectorises). out may be x. */
-static void residual_row(const float *x, const float *m, int64_t n, float *out) {
-    for (int64_t i = 0; i < n; i++) {
-        const float r = x[i] - m[i];
-        const int fix = (fabsf(r) == INFINITY) & (fabsf(x[i]) < INFINITY);
-        out[i] = fix ? copysignf(FLT_MAX, r) : r;
-    }
 }
 
 /* bf16 of f rounded to nearest even, lane-wise: bf16_nearest on 8 lanes. */

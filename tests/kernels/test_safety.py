@@ -94,12 +94,15 @@ _ASAN_DRIVER = textwrap.dedent("""
         D.highpass(x, 2, 7)
     from freqact import codecs
     from freqact.engine.layouts import BLOCKS, STATS, TokenLayout
-    for shape in [(1, 1, 1), (2, 7, 5), (2, 37, 20), (2, 6, 5, 16), (1, 3, 20, 8), (2, 130, 13)]:
+    # (2, 9, 64), (2, 33, 16): the C kernels' lane paths (8 feature blocks in lanes, chan maps
+    # 16 at a time down the columns, odd and even T)
+    for shape in [(1, 1, 1), (2, 7, 5), (2, 37, 20), (2, 6, 5, 16), (1, 3, 20, 8), (2, 130, 13),
+                  (2, 9, 64), (2, 33, 16), (2, 4, 4, 32)]:
         strided = torch.randn(shape).transpose(0, -1).contiguous().transpose(0, -1)
         for x in (strided, torch.randn(shape)):  # read through strides, and in place
             for blocks in BLOCKS:
                 for stats in STATS:
-                    for bits in (1, 2, 8):
+                    for bits in (1, 2, 4, 8):
                         c = TokenLayout(codecs.get("division", bits=bits, backend="cpu"), blocks,
                                         stats)
                         c.decode(c.encode(x))
