@@ -288,6 +288,13 @@ def division_compile_settings():
         yield
 
 
+def _passes(setting) -> tuple:
+    """An Inductor custom-pass setting (None, one pass or a list) as a tuple of passes."""
+    if setting is None:
+        return ()
+    return tuple(setting) if isinstance(setting, (list, tuple)) else (setting,)
+
+
 @contextlib.contextmanager
 def installed(spec: GraphCodec):
     """Install spec's graph-level hooks for the block.
@@ -313,5 +320,7 @@ def installed(spec: GraphCodec):
             if inductor.joint_custom_pre_pass is None:  # a user's own pass is left in place
                 stack.enter_context(inductor.patch(
                     joint_custom_pre_pass=graph_ops.recompute_attention()))
+            stack.enter_context(inductor.patch(post_grad_custom_post_pass=[
+                *_passes(inductor.post_grad_custom_post_pass), graph_ops.sink_decodes()]))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
         yield

@@ -22,7 +22,7 @@ import torch
 from freqact.kernels.format import LfcPacked, QuantPacked, geometry
 
 __all__ = ["LAYOUTS", "layout_codec", "layout_decode", "layout_encode", "recompute_attention",
-           "sdpa_flash_cpu"]
+           "sdpa_flash_cpu", "sink_decodes"]
 
 LAYOUTS = ("feat/chan", "feat/tok", "tile/chan", "tile/tok")
 """The layouts the ops serve (no head token, no grids: what a graph's token views need)."""
@@ -164,3 +164,67 @@ def recompute_attention():
             return "freqact.recompute_attention.1"
 
     return RecomputeAttention()
+
+
+def _decodes() -> frozenset:
+    from freqact.kernels import ops  # noqa: F401  (registers the division ops)
+
+    return frozenset({torch.ops.freqact.layout_decode.default,
+                      torch.ops.freqact.division_decode.default,
+                      torch.ops.freqact.unpack_mask.default})
+
+
+def _pure(node: torch.fx.Node) -> bool:
+    """Whether node is an aten/custom op call that neither mutates nor draws random numbers (so
+    running it later changes nothing but when its output is allocated)."""
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    return (node.op == "call_function" and schema is not None and not schema.is_mutable
+            and torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()))
+
+
+def _sink_decodes(graph: torch.fx.Graph) -> None:
+    """Each codec decode of graph, and the pure ops that read only decodes and graph inputs (the
+    rest of the unpack hook: views), moved to just before the first op that reads it."""
+    decodes = _decodes()
+    moving: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        inputs = node.all_input_nodes
+        if node.op == "call_function" and (node.target in decodes or (
+                any(n in moving for n in inputs) and _pure(node)
+                and all(n in moving or n.op == "placeholder" for n in inputs))):
+            moving.add(node)
+    # last first: a node's users have moved before it does, so it lands before the first of
+    # them in their new places (and still after its inputs: it only moves later)
+    for node in reversed(list(graph.nodes)):
+        if node in moving:
+            first = node.next
+            while first not in node.users and first.op != "output":
+                first = first.next
+            if first is not node.next:
+                first.prepend(node)
+
+
+@functools.cache
+def sink_decodes():
+    """The post-grad pass (`torch._inductor.config.post_grad_custom_post_pass`) that moves each
+    decode of a backward graph from its prologue to its first use: a `CustomGraphPass`, made on
+    first use (its module imports Inductor).
+
+    AOTAutograd inlines every unpack hook right after the backward's inputs, so all saved
+    tensors were decoded before the backward's first op: the whole uncompressed set alive at
+    once (the backward's peak as without compression), each decode's output in fresh memory
+    that the allocator could not reuse, and cold in the caches by the time its op read it.
+    Moved, each decode runs just before its op, into memory the ops before it freed. The
+    forward graphs have no decodes (no change there).
+    """
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class SinkDecodes(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            _sink_decodes(graph)
+
+        def uuid(self) -> str:
+            return "freqact.sink_decodes.1"
+
+    return SinkDecodes()
