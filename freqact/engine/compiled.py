@@ -303,7 +303,7 @@ def installed(spec: GraphCodec):
     inputs stay as they are). Under division also, for the graphs compiled inside the block:
     Inductor's layout optimization off (it saves a channels-last copy of every conv weight and of
     the batch for backward, 43 MB on ResNet-18, that no hook sees), SDPA recomputed in backward
-    (`graph_ops.recompute_attention`, unless a joint_custom_pre_pass is set already: then q and
+    (`graph_ops.recompute_in_backward`, unless a joint_custom_pre_pass is set already: then q and
     k stay exact) and the backward compiled at once (inside the block, so with the same
     settings); `exact` leaves the graphs as compiled
     normal training has them. No AOTAutograd cache: the pack hook must trace for the meter's
@@ -319,7 +319,7 @@ def installed(spec: GraphCodec):
             stack.enter_context(division_compile_settings())
             if inductor.joint_custom_pre_pass is None:  # a user's own pass is left in place
                 stack.enter_context(inductor.patch(
-                    joint_custom_pre_pass=graph_ops.recompute_attention()))
+                    joint_custom_pre_pass=graph_ops.recompute_in_backward()))
             stack.enter_context(inductor.patch(post_grad_custom_post_pass=[
                 *_passes(inductor.post_grad_custom_post_pass), graph_ops.sink_decodes()]))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))

@@ -21,7 +21,7 @@ import torch
 
 from freqact.kernels.format import LfcPacked, QuantPacked, geometry
 
-__all__ = ["LAYOUTS", "layout_codec", "layout_decode", "layout_encode", "recompute_attention",
+__all__ = ["LAYOUTS", "layout_codec", "layout_decode", "layout_encode", "recompute_in_backward",
            "sdpa_flash_cpu", "sink_decodes"]
 
 LAYOUTS = ("feat/chan", "feat/tok", "tile/chan", "tile/tok")
@@ -106,7 +106,7 @@ def sdpa_flash_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attn_mask: torch.Tensor | None = None, scale: float | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """`aten._scaled_dot_product_flash_attention_for_cpu` (output, logsumexp) without its
-    random-op tag, so the partitioner can recompute it in backward (`recompute_attention`)."""
+    random-op tag, so the partitioner can recompute it in backward (`recompute_in_backward`)."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
     return out, lse
@@ -125,7 +125,7 @@ _SDPA_ARGS = ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "s
 
 def _recompute_attention(graph: torch.fx.Graph) -> None:
     """Each CPU flash SDPA without dropout of a joint graph becomes `sdpa_flash_cpu`, tagged to
-    be recomputed in backward (see `recompute_attention`)."""
+    be recomputed in backward (see `recompute_in_backward`)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     for node in graph.find_nodes(op="call_function", target=_SDPA_CPU):
@@ -140,30 +140,79 @@ def _recompute_attention(graph: torch.fx.Graph) -> None:
         node.meta["ac_graph_id"] = 0
 
 
-@functools.cache
-def recompute_attention():
-    """The joint-graph pass (`torch._inductor.config.joint_custom_pre_pass`) that recomputes
-    SDPA in backward: a `CustomGraphPass` (Inductor keys its caches on the pass's uuid), made on
-    first use (its module imports Inductor).
+_ERF_GELU = (0.5, 0.7071067811865476)  # a * 0.5 * (1 + erf(a * M_SQRT1_2)): gelu's decomposition
 
-    The partitioner then saves SDPA's q, k, v instead of its output and logsumexp, and the
-    backward reruns the kernel on them, as eager's `attention.SdpaCall` does: with q, k, v
-    decoded, the recomputed logsumexp matches the decoded scores (an error on q or k no longer
-    enters exponentially), so q, k, v can be coded. The aten op itself carries a random-op tag
-    (dropout): recomputing it made the partitioner save an RNG state under a name the
-    saved-tensor hook inlining could not find ("could not find saved tensor getitem_8 in
-    bw_g_inputs", torch 2.13), hence the untagged `sdpa_flash_cpu`.
+
+def _call(node, target) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
+
+
+def _gelu_chains(graph: torch.fx.Graph):
+    """The nodes of each erf GELU in a joint graph's forward, `x * 0.5 * (1 + erf(x *
+    M_SQRT1_2))` as aten's decomposition writes it, with the views of its output: lists
+    [x * M_SQRT1_2, erf, 1 + erf, x * 0.5, output, views...]."""
+    aten = torch.ops.aten
+    tangents = set(graph.find_nodes(op="placeholder"))
+    tangents = {n for n in tangents if n.name.startswith("tangents")}
+    for node in graph.nodes:  # the backward part: everything a tangent reaches
+        if any(i in tangents for i in node.all_input_nodes):
+            tangents.add(node)
+    for erf in graph.find_nodes(op="call_function", target=aten.erf.default):
+        inner = erf.args[0]
+        if erf in tangents or not (_call(inner, aten.mul.Tensor)
+                                   and inner.args[1] == _ERF_GELU[1]):
+            continue
+        x = inner.args[0]
+        for add in (u for u in erf.users if _call(u, aten.add.Tensor) and 1 in u.args):
+            for out in (u for u in add.users if _call(u, aten.mul.Tensor)):
+                half = out.args[0] if out.args[1] is add else out.args[1]
+                if _call(half, aten.mul.Tensor) and half.args == (x, _ERF_GELU[0]):
+                    views = [u for u in out.users if getattr(u.target, "is_view", False)]
+                    yield [inner, erf, add, half, out, *views]
+
+
+def _recompute_gelu(graph: torch.fx.Graph) -> None:
+    """Each erf GELU of a joint graph's forward (and the views of its output) tagged to be
+    recomputed in backward from its input (see `recompute_in_backward`)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for chain in _gelu_chains(graph):
+        for node in chain:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta["ac_graph_id"] = 0
+
+
+@functools.cache
+def recompute_in_backward():
+    """The joint-graph pass (`torch._inductor.config.joint_custom_pre_pass`) that recomputes
+    SDPA and GELU outputs in backward: a `CustomGraphPass` (Inductor keys its caches on the
+    pass's uuid), made on first use (its module imports Inductor).
+
+    SDPA (`_recompute_attention`): the partitioner then saves SDPA's q, k, v instead of its
+    output and logsumexp, and the backward reruns the kernel on them, as eager's
+    `attention.SdpaCall` does: with q, k, v decoded, the recomputed logsumexp matches the decoded
+    scores (an error on q or k no longer enters exponentially), so q, k, v can be coded. The aten
+    op itself carries a random-op tag (dropout): recomputing it made the partitioner save an RNG
+    state under a name the saved-tensor hook inlining could not find ("could not find saved
+    tensor getitem_8 in bw_g_inputs", torch 2.13), hence the untagged `sdpa_flash_cpu`.
+
+    GELU (`_recompute_gelu`, the erf form): the partitioner saved both its input (for GELU's
+    backward) and its output (the next Linear's input, for its weight gradient): the output is
+    now recomputed from the decoded input in backward (one pointwise pass, which Inductor fuses
+    with GELU's backward) instead of being saved and coded. The small ViT: 6 of its 55 coded
+    tensors, the largest ones ((64, 65, 768) each), no longer encoded and decoded.
     """
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    class RecomputeAttention(CustomGraphPass):
+    class RecomputeInBackward(CustomGraphPass):
         def __call__(self, graph: torch.fx.Graph) -> None:
             _recompute_attention(graph)
+            _recompute_gelu(graph)
 
         def uuid(self) -> str:
-            return "freqact.recompute_attention.1"
+            return "freqact.recompute_in_backward.1"
 
-    return RecomputeAttention()
+    return RecomputeInBackward()
 
 
 def _decodes() -> frozenset:

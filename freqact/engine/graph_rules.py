@@ -8,7 +8,7 @@ give each saved tensor the eager routes' layout where it can tell (docs/ARCHITEC
 
 - boolean masks: 1 bit each ("mask"); tensors under the threshold, non-floating: kept;
 - SDPA's saves: where the backward reruns the CPU flash kernel (`graph_ops.
-  recompute_attention`: the graph saves q, k, v, not out and logsumexp), q, k, v in
+  recompute_in_backward`: the graph saves q, k, v, not out and logsumexp), q, k, v in
   `feat/chan` on (N * heads, T, d), as eager's `attention.SdpaCall`; elsewhere the backward
   op's `query`, `key`, `logsumexp` kept, `value` and `out` in `feat/chan` (eager's route where
   the kernel cannot be rerun: its backward computes exp(q k^T - logsumexp), so an error on q
@@ -178,7 +178,7 @@ def _sdpa_reads(node, graph) -> list[tuple[str, dict, set[str]]]:
 
 def _sdpa_use(node, context) -> bool | None:
     """None when no SDPA op reads node in backward; else whether it may be coded: q, k, v where
-    the backward recomputes the forward from them (`graph_ops.recompute_attention`), else
+    the backward recomputes the forward from them (`graph_ops.recompute_in_backward`), else
     `value` and `out` without a mask, is_causal or dropout."""
     graph = context.get("_bw_graph") if context else None
     reads = _sdpa_reads(node, graph) if node is not None and graph is not None else []
