@@ -457,3 +457,67 @@ def test_graph_rule_reads_short_sequences_as_the_eager_routes_do():
     spec = compiled.GraphCodec("division", 8, 2, BACKEND)
     chosen = graph_rules.route(spec, torch.empty(64, 16, 96), None)
     assert chosen.view == token_view((64, 16, 96), False, group=GROUP_TOKENS) == (16, 64, 96)
+
+
+def test_sink_decodes_moves_each_decode_to_its_first_use():
+    # the unpack hook's ops (a decode and its view), inlined before the graph's first op, run
+    # just before the op that reads them, and the graph computes the same
+    from freqact.engine import graph_ops
+
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    a, bits = graph.placeholder("a"), graph.placeholder("bits")
+    mask = graph.call_function(OPS.unpack_mask.default, (bits, [4, 8], torch.float32, 0.0, 1.0))
+    view = graph.call_function(aten.view.default, (mask, [32]))
+    noise = graph.call_function(aten.rand_like.default, (view,))  # random: stays where it is
+    early = graph.call_function(aten.mul.Tensor, (a, 2.0))
+    late = graph.call_function(aten.add.Tensor, (early, view))
+    graph.output((late, noise))
+    module = torch.fx.GraphModule(nn.Module(), graph)
+    args = (torch.randn(32), K.pack_mask(torch.randn(4, 8), 0.0))
+    want = module(*args)[0]
+    graph_ops._sink_decodes(graph)
+    graph.lint()
+    module.recompile()
+    assert [n for n in graph.nodes if n.op == "call_function"] == [mask, view, noise, early, late]
+    graph.erase_node(graph.output_node())
+    graph.output(late)
+    graph.erase_node(noise)
+    graph_ops._sink_decodes(graph)
+    graph.lint()
+    module.recompile()
+    assert [n for n in graph.nodes if n.op == "call_function"] == [early, mask, view, late]
+    assert torch.equal(module(*args), want)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="the C kernels cannot be built here")
+def test_compiled_division_recomputes_gelu_outputs(monkeypatch):
+    # Linear -> GELU -> Linear on tokens: GELU's output (the second Linear's input) is
+    # recomputed in backward from GELU's decoded input, neither saved nor coded
+    from freqact.engine import graph_ops
+
+    x = torch.randn(8, 65, 32)
+
+    def run(recompute: bool):
+        torch._dynamo.reset()  # each run compiles its own graphs
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        compiled = torch.compile(model)
+        exact = torch.cat([g.flatten() for g in _grads(compiled, x)])
+        with monkeypatch.context() as patch:
+            if not recompute:
+                patch.setattr(graph_ops, "_recompute_gelu", lambda graph: None)
+            model.zero_grad(set_to_none=True)
+            with freqact.compress(compiled, "division", block=8, bits=2) as meter:
+                out = compiled(x)
+            out.square().sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        return meter, float(grads @ exact / grads.norm() / exact.norm())
+
+    meter, cosine = run(True)
+    saved, saved_cosine = run(False)
+    rows, saved_rows = ({r.layer: r.routes for r in m.per_layer()} for m in (meter, saved))
+    assert saved_rows["2"] == ("division tile/chan",) and "2" not in rows
+    assert rows["0"] == saved_rows["0"]  # the first Linear's input and GELU's input, coded
+    assert meter.saved_bytes < saved.saved_bytes
+    assert cosine > 0.9 and saved_cosine > 0.9
