@@ -147,28 +147,39 @@ def _call(node, target) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
 
 
-def _gelu_chains(graph: torch.fx.Graph):
-    """The nodes of each erf GELU in a joint graph's forward, `x * 0.5 * (1 + erf(x *
-    M_SQRT1_2))` as aten's decomposition writes it, with the views of its output: lists
-    [x * M_SQRT1_2, erf, 1 + erf, x * 0.5, output, views...]."""
+def _backward_part(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes of a joint graph that a tangent reaches (its backward)."""
+    reached = {n for n in graph.find_nodes(op="placeholder") if n.name.startswith("tangents")}
+    for node in graph.nodes:
+        if any(i in reached for i in node.all_input_nodes):
+            reached.add(node)
+    return reached
+
+
+def _gelu_chain(erf: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """[x * M_SQRT1_2, erf, 1 + erf, x * 0.5, output, views of the output...] of the erf GELU
+    `x * 0.5 * (1 + erf(x * M_SQRT1_2))` around erf (aten's decomposition), None if erf is not
+    one (GELU's backward writes its erf term another way)."""
     aten = torch.ops.aten
-    tangents = set(graph.find_nodes(op="placeholder"))
-    tangents = {n for n in tangents if n.name.startswith("tangents")}
-    for node in graph.nodes:  # the backward part: everything a tangent reaches
-        if any(i in tangents for i in node.all_input_nodes):
-            tangents.add(node)
-    for erf in graph.find_nodes(op="call_function", target=aten.erf.default):
-        inner = erf.args[0]
-        if erf in tangents or not (_call(inner, aten.mul.Tensor)
-                                   and inner.args[1] == _ERF_GELU[1]):
-            continue
-        x = inner.args[0]
-        for add in (u for u in erf.users if _call(u, aten.add.Tensor) and 1 in u.args):
-            for out in (u for u in add.users if _call(u, aten.mul.Tensor)):
-                half = out.args[0] if out.args[1] is add else out.args[1]
-                if _call(half, aten.mul.Tensor) and half.args == (x, _ERF_GELU[0]):
-                    views = [u for u in out.users if getattr(u.target, "is_view", False)]
-                    yield [inner, erf, add, half, out, *views]
+    inner = erf.args[0]
+    if not (_call(inner, aten.mul.Tensor) and inner.args[1] == _ERF_GELU[1]):
+        return None
+    for add in (u for u in erf.users if _call(u, aten.add.Tensor) and 1 in u.args):
+        for out in (u for u in add.users if _call(u, aten.mul.Tensor)):
+            half = out.args[0] if out.args[1] is add else out.args[1]
+            if _call(half, aten.mul.Tensor) and half.args == (inner.args[0], _ERF_GELU[0]):
+                views = [u for u in out.users if getattr(u.target, "is_view", False)]
+                return [inner, erf, add, half, out, *views]
+    return None
+
+
+def _gelu_chains(graph: torch.fx.Graph):
+    """The nodes (`_gelu_chain`) of each erf GELU in a joint graph's forward."""
+    backward = _backward_part(graph)
+    for erf in graph.find_nodes(op="call_function", target=torch.ops.aten.erf.default):
+        chain = None if erf in backward else _gelu_chain(erf)
+        if chain is not None:
+            yield chain
 
 
 def _recompute_gelu(graph: torch.fx.Graph) -> None:
@@ -232,17 +243,23 @@ def _pure(node: torch.fx.Node) -> bool:
             and torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()))
 
 
-def _sink_decodes(graph: torch.fx.Graph) -> None:
-    """Each codec decode of graph, and the pure ops that read only decodes and graph inputs (the
-    rest of the unpack hook: views), moved to just before the first op that reads it."""
+def _decode_ops(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The codec decodes of graph and the pure ops that read only those and graph inputs (the
+    rest of an unpack hook: views)."""
     decodes = _decodes()
-    moving: set[torch.fx.Node] = set()
+    found: set[torch.fx.Node] = set()
     for node in graph.nodes:
         inputs = node.all_input_nodes
         if node.op == "call_function" and (node.target in decodes or (
-                any(n in moving for n in inputs) and _pure(node)
-                and all(n in moving or n.op == "placeholder" for n in inputs))):
-            moving.add(node)
+                any(n in found for n in inputs) and _pure(node)
+                and all(n in found or n.op == "placeholder" for n in inputs))):
+            found.add(node)
+    return found
+
+
+def _sink_decodes(graph: torch.fx.Graph) -> None:
+    """Each of graph's `_decode_ops` moved to just before the first op that reads it."""
+    moving = _decode_ops(graph)
     # last first: a node's users have moved before it does, so it lands before the first of
     # them in their new places (and still after its inputs: it only moves later)
     for node in reversed(list(graph.nodes)):
