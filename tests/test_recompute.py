@@ -43,6 +43,7 @@ def _node(root, name: str):
     (nn.GELU(approximate="tanh"), "GeluBackward0", "_saved_self"),
     (nn.SiLU(), "SiluBackward0", "_saved_self"),
     (nn.Hardswish(), "HardswishBackward0", "_saved_self"),
+    (nn.Mish(), "MishBackward0", "_saved_self"),
 ])
 def test_the_next_layer_saves_the_activation_of_the_decoded_input(act, node, saved):
     torch.manual_seed(0)

@@ -321,6 +321,8 @@ class _Compress:
         for handle in self._handles:
             handle.remove()
         self._handles, self._stack, self._dedup = [], [], {}
+        if self._recompute is not None:  # the tracker's on_return still refers to it
+            self._recompute.clear()
         self._owner, self._held_seen, self._recompute = {}, {}, None
         with _HOOKED_LOCK:
             self._unclaim_locked()

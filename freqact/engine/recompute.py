@@ -38,6 +38,11 @@ RECOMPUTABLE = frozenset({"gelu", "silu", "hardswish", "mish"})
 class Recipe:
     """One output to rebuild: func(x_hat, *args, **kwargs), cast to the output's dtype.
 
+    x_hat is the input's shared decode (`block._Packed.decoded`), held from the first of its
+    unpacks to the last: a backward that unpacks the recipe but never the activation's own saved
+    input (`torch.autograd.grad` of a later weight only, on a retained graph) keeps that decode
+    for as long as the graph lives, as any packed form shared by two saves does.
+
     Attributes:
         input: the `block._Packed` of the function's first argument.
         nbytes: bytes the recipe holds of its own (0: the input is charged where it was packed).
@@ -95,6 +100,11 @@ class Recomputer:
         # its other args, kwargs, output dtype)
         self._outputs: dict[int, tuple] = {}
 
+    def clear(self) -> None:
+        """Forget every record (the block is closing)."""
+        self._inputs.clear()
+        self._outputs.clear()
+
     def saw_input(self, func: tuple | None, t: torch.Tensor, packed) -> None:
         """Remember `packed` when t is the first argument of the running RECOMPUTABLE call.
 
@@ -115,16 +125,21 @@ class Recomputer:
                 or not all(map(_held_as_is, (*args[1:], *kwargs.values())))):
             return
         storage = out.untyped_storage()
+        ptr, outputs = storage.data_ptr(), self._outputs
+
+        def forget(ref: weakref.ref) -> None:  # the output is freed: its entry goes with it
+            if outputs.get(ptr, (None,))[0] is ref:
+                del outputs[ptr]
         # weak references only: a forward without backward frees its packed forms with its graph
-        self._outputs[storage.data_ptr()] = (
-            weakref.ref(storage), out.storage_offset(), out.numel(), out._version,
-            weakref.ref(packed), func, args[1:], kwargs, out.dtype)
+        outputs[ptr] = (weakref.ref(storage, forget), out.storage_offset(), out.numel(),
+                        out._version, weakref.ref(packed), func, args[1:], kwargs, out.dtype)
 
     def recipe_for(self, t: torch.Tensor, storage, ptr: int) -> Recipe | None:
         """The recipe of t when t is a recorded output, unchanged and viewed whole; else None."""
         entry = self._outputs.get(ptr)
         if (entry is None or entry[0]() is not storage or t.storage_offset() != entry[1]
-                or t.numel() != entry[2] or t._version != entry[3] or not t.is_contiguous()):
+                or t.numel() != entry[2] or t._version != entry[3] or not t.is_contiguous()
+                or t.dtype != entry[8]):
             return None
         packed = entry[4]()
         if packed is None:

@@ -22,8 +22,8 @@ class FunctionTracker(TorchFunctionMode):
     call the number of the call (two calls with the same arguments are told apart).
 
     Args:
-        on_return: called as on_return(func, args, kwargs, call, output) after each call that
-            returned (`recompute.Recomputer.returned`), or None.
+        on_return: called as on_return(func, args, kwargs, call, output) after each call
+            (`recompute.Recomputer.returned`; output None when the call raised), or None.
     """
 
     def __init__(self, on_return: Callable | None = None) -> None:
@@ -42,6 +42,10 @@ class FunctionTracker(TorchFunctionMode):
         self._stack.append((getattr(func, "__name__", ""), args, kwargs, call))
         try:
             out = func(*args, **kwargs)
+        except BaseException:
+            if self._on_return is not None:  # what was recorded for the call is dropped
+                self._on_return(func, args, kwargs, call, None)
+            raise
         finally:
             self._stack.pop()
         if self._on_return is not None:

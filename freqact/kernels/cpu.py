@@ -432,7 +432,7 @@ class TokenGeometry:
         return (*maps, -(-count * bits // 8))
 
 
-@functools.lru_cache(maxsize=1024)  # a few shapes per model; every value checked once
+@functools.lru_cache(maxsize=1024, typed=True)  # a few shapes per model; values checked once
 def _token_args(geom: TokenGeometry, bits: int, strides=(0, 0, 0, 0), out_stride: int = 0):
     """The C array of cpu_division.c's T_* enum, every value range-checked.
 
@@ -440,6 +440,7 @@ def _token_args(geom: TokenGeometry, bits: int, strides=(0, 0, 0, 0), out_stride
     extents positive, and every block's lfc index inside geom.lfc_shape (the C code indexes the
     lfc with lfc_strides), so an inconsistent TokenGeometry is refused, never written past.
     """
+    bits = check_bits(bits)
     m, h, w, f = geom.panel
     per_sequence = math.prod(geom.lfc_shape[1:])
     last = sum((c - 1) * s for c, s in zip(geom.counts, geom.lfc_strides))
@@ -454,7 +455,7 @@ def _token_args(geom: TokenGeometry, bits: int, strides=(0, 0, 0, 0), out_stride
     return (ctypes.c_int64 * len(values))(*(_c_int64("token geometry", v) for v in values))
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=1024, typed=True)  # typed: bits True or 2.0 is not bits 1 or 2
 def _token_parts(geom: TokenGeometry, bits: int) -> tuple[tuple[torch.dtype, tuple], ...]:
     """(dtype, shape) of the packed parts lfc, lo, step, codes for geom and bits (checked)."""
     maps = tuple(geom.quant_shape[:2])
@@ -512,6 +513,7 @@ def token_decode(lfc: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes:
         ValueError: naming the part whose dtype, shape or device disagrees with geom.
     """
     lib = _lib()
+    bits = check_bits(bits)
     parts = (lfc, lo, step, codes)
     expected = _token_parts(geom, bits)
     if not all(isinstance(t, torch.Tensor) and t.dtype == dtype and t.shape == shape

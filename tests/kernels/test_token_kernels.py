@@ -206,3 +206,17 @@ def test_map_lengths_around_the_vector_widths_with_own_noise(blocks, stats, bits
         cpu.token_decode(lfc, lo, step, codes, geom, bits, out)
         body = ref.decode(want).reshape(shape[0], -1, shape[-1])[:, head:]
         assert torch.equal(out, body), (n, shape)
+
+
+@pytest.mark.parametrize("bits", [True, 2.0, 3])
+def test_bits_are_checked_at_every_call_even_after_a_cached_geometry(bits):
+    layout = TokenLayout(codecs.get("division", block=8, bits=2), "tile", "chan")
+    x = torch.randn(2, 16, 16)
+    geom = layout._geometry(x.shape).geom
+    panel = TokenLayout._panel(x, 0, geom)
+    lfc, lo, step, codes = cpu.token_encode(panel, geom, 1, None, 0)  # caches the geometry
+    cpu.token_encode(panel, geom, 2, None, 0)
+    with pytest.raises((TypeError, ValueError), match="bits"):
+        cpu.token_encode(panel, geom, bits, None, 0)
+    with pytest.raises((TypeError, ValueError), match="bits"):
+        cpu.token_decode(lfc, lo, step, codes, geom, bits, torch.empty(2, 16, 16))
