@@ -64,13 +64,11 @@ class Recipe:
 
 
 class Recompute(Codec):
-    """The route's codec: decode rebuilds a `Recipe` (the pack hook builds the recipe itself)."""
+    """The route's codec: decode rebuilds a `Recipe`. It has no encode: the pack hook builds the
+    recipe itself (`Recomputer.recipe_for`)."""
 
     whole_model = False
     name = "recomputed activation"
-
-    def encode(self, x: torch.Tensor):
-        raise TypeError("recomputed activation: the pack hook builds recipes (Recomputer.recipe_for)")
 
     def decode(self, packed: Recipe) -> torch.Tensor:
         return packed.rebuild()
