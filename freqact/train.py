@@ -104,7 +104,11 @@ def train(config: RunConfig, *, model: torch.nn.Module | None = None) -> dict:
     """
     ctx = distributed.setup(config.device)
     try:
-        return _run(config, ctx, model)
+        result = _run(config, ctx, model)
+        # Every rank done before any leaves the group: a rank that writes nothing finished first
+        # and tore gloo down under rank 0's last exchange (one SIGABRT at exit in a CI run).
+        distributed.barrier(ctx)
+        return result
     finally:
         distributed.teardown(ctx)
 
