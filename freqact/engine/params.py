@@ -40,17 +40,16 @@ def is_fsdp_unit(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def _fsdp_managed(model: nn.Module) -> set[int]:
-    """ids of the sharded parameters FSDP2 manages in model, whose originals were plain tensors.
+def _fsdp_managed(units: list[nn.Module]) -> set[int]:
+    """ids of the sharded parameters FSDP2 manages in `units` (the modules `fully_shard` was
+    applied to), whose originals were plain tensors.
 
     FSDP2 has no public accessor for them: `FSDPParam` (its per-parameter state) is read through
     each unit's state. A parameter FSDP2 sharded from a DTensor (FSDP over tensor parallel) is left
     out, so it is refused like any other DTensor.
     """
     ids = set()
-    for module in model.modules():
-        if not is_fsdp_unit(module):
-            continue
+    for module in units:
         try:
             groups = module._get_fsdp_state()._fsdp_param_groups
             ids.update(id(p.sharded_param) for g in groups for p in g.fsdp_params
@@ -74,22 +73,28 @@ class ParamIndex:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        managed = _fsdp_managed(model)
         self.ptrs: set[int] = set()
         self._slots: list[tuple[nn.Module, str]] = []  # where FSDP2 swaps its parameters in
+        units, dtensors = [], []
         for mod_name, module in model.named_modules():
-            tensors = (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))
-            for name, t in tensors:
-                if not isinstance(t, DTensor):
+            if is_fsdp_unit(module):
+                units.append(module)
+            # The registries themselves (None marks an unset slot): named_parameters(recurse=False)
+            # built a generator chain per module, a third of a block's entry on the zoo's GPT.
+            for name, t in (*module._parameters.items(), *module._buffers.items()):
+                if isinstance(t, DTensor):
+                    dtensors.append((mod_name, module, name, t))
+                elif t is not None:
                     self.ptrs.add(_ptr(t))
-                elif id(t) in managed:
-                    self._slots.append((module, name))
-                else:
-                    raise ValueError(
-                        f"model: {'.'.join(filter(None, (mod_name, name)))} is a DTensor with "
-                        f"placements {tuple(t.placements)} that FSDP2 (fully_shard) does not "
-                        f"shard; compress supports plain, DDP and FSDP2 models, not tensor or "
-                        f"pipeline parallel ones")
+        managed = _fsdp_managed(units) if dtensors else set()
+        for mod_name, module, name, t in dtensors:
+            if id(t) not in managed:
+                raise ValueError(
+                    f"model: {'.'.join(filter(None, (mod_name, name)))} is a DTensor with "
+                    f"placements {tuple(t.placements)} that FSDP2 (fully_shard) does not "
+                    f"shard; compress supports plain, DDP and FSDP2 models, not tensor or "
+                    f"pipeline parallel ones")
+            self._slots.append((module, name))
         self.ptrs.discard(0)
         self._live: set[int] | None = None
 
