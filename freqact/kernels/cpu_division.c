@@ -1069,20 +1069,22 @@ static inline void reduce_phases(f32x16 *mn, f32x16 *mx) {
 }
 
 /* min and max of the 16 columns at c of the residual panel p (T x F), NaN where a column has
- * one, in quantize_map's order. */
+ * one, in quantize_map's order. The 8 phases are unrolled so that their accumulators stay in
+ * registers (indexed by t % 8 they were kept on the stack: a store and a reload per token). */
 static void column_range(const float *p, int64_t T, int64_t F, int64_t c, f32x16 *mn_out,
                          f32x16 *mx_out) {
     f32x16 mn[8], mx[8], v;
     i32x16 nan = {0};
     for (int k = 0; k < 8; k++) mn[k] = splat16(INFINITY), mx[k] = splat16(-INFINITY);
     const int64_t whole = T - T % 8;
-    for (int64_t t = 0; t < whole; t++) {
-        memcpy(&v, p + t * F + c, sizeof v);
-        const int k = (int)(t % 8);
-        mn[k] = select16(v < mn[k], v, mn[k]);
-        mx[k] = select16(v > mx[k], v, mx[k]);
-        nan |= v != v;
-    }
+    for (int64_t t = 0; t < whole; t += 8)
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) {
+            memcpy(&v, p + (t + k) * F + c, sizeof v);
+            mn[k] = select16(v < mn[k], v, mn[k]);
+            mx[k] = select16(v > mx[k], v, mx[k]);
+            nan |= v != v;
+        }
     reduce_phases(mn, mx);
     for (int64_t t = whole; t < T; t++) {
         memcpy(&v, p + t * F + c, sizeof v);
@@ -1099,15 +1101,16 @@ static inline void store_word(uint32_t w, uint8_t *out, int64_t n) {
     for (int64_t b = 0; b < n; b++) out[b] = (uint8_t)(w >> (8 * b));
 }
 
-/* Bits 40-63 (hi) or 16-39 of the 16 draws r (two halves of 8 lanes), 24 bits per lane. */
-static inline u32x16 draw_bits(const u64x8 r[2], int hi) {
-    const u32x8 a = __builtin_convertvector(hi ? r[0] >> 40 : (r[0] >> 16) & 0xFFFFFF, u32x8);
-    const u32x8 b = __builtin_convertvector(hi ? r[1] >> 40 : (r[1] >> 16) & 0xFFFFFF, u32x8);
-    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-}
-
-/* 24 bits per lane scaled to [0, 1) by 2^-24 (exact, as the scalar conversion) */
-static inline f32x16 uniform16(u32x16 bits) {
+/* The uniforms of 16 draws r (two halves of 8 lanes) from bits 40-63 (hi) or 16-39: the 32-bit
+ * halves that hold them picked by one two-source permute (vpermt2d), 24 bits per lane scaled to
+ * [0, 1) by 2^-24 (exact, as the scalar conversion). */
+static inline f32x16 draw_uniforms(const u64x8 r[2], int hi) {
+    const u64x8 a = hi ? r[0] : r[0] >> 16, b = hi ? r[1] : r[1] >> 16;
+    const u32x16 a32 = (u32x16)a, b32 = (u32x16)b;
+    u32x16 bits = hi ? __builtin_shufflevector(a32, b32, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21,
+                                               23, 25, 27, 29, 31) >> 8
+                     : __builtin_shufflevector(a32, b32, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20,
+                                               22, 24, 26, 28, 30) & 0xFFFFFF;
     return __builtin_convertvector((i32x16)bits, f32x16) * splat16(0x1p-24f);
 }
 
@@ -1119,9 +1122,12 @@ static inline void next_draw(u64x8 z[2], u64x8 r[2]) {
     }
 }
 
-/* Quantise and pack the 16 chan maps of sequence m at columns c (maps m * F + c + lane). */
-static void quantize_columns(const int64_t *g, int64_t m, int64_t c, int bits, const float *p,
-                             uint64_t seed, uint16_t *lo, uint16_t *step, uint8_t *codes) {
+/* quantize_columns with a constant `bits` and `odd_maps` (whether a map can start at an odd
+ * element of the stream: T odd), always_inline: the shifts of the packing are constants and a
+ * stream of even maps needs no per-lane choice of draw halves. */
+static inline __attribute__((always_inline)) void quantize_columns_fixed(
+        const int64_t *g, int64_t m, int64_t c, const float *p, uint64_t seed, uint16_t *lo,
+        uint16_t *step, uint8_t *codes, const int bits, const int odd_maps) {
     const int64_t T = g[T_H] * g[T_W], F = g[T_F], cb = g[T_CODE_BYTES], map0 = m * F + c;
     f32x16 mn, mx;
     column_range(p, T, F, c, &mn, &mx);
@@ -1142,37 +1148,59 @@ static void quantize_columns(const int64_t *g, int64_t m, int64_t c, int bits, c
      * cur's low bits and t + 1 from the next draw's high bits */
     const u64x8 lanes = {0, 1, 2, 3, 4, 5, 6, 7};
     u64x8 z[2], cur[2], next[2];
-    i32x16 odd;
+    i32x16 odd = {0};
     for (int half = 0; half < 2; half++) {
         const u64x8 first = ((uint64_t)map0 + 8u * half + lanes) * (uint64_t)T;
         z[half] = seed + ((first >> 1) + 1u) * GOLDEN_GAMMA;
         for (int l = 0; l < 8; l++) odd[8 * half + l] = -(int32_t)(first[l] & 1u);
     }
     next_draw(z, cur);
-    const int64_t per_word = 32 / bits;
-    u32x16 word = {0};
-    for (int64_t t = 0; t < T; t += 2) {
-        next_draw(z, next);
-        const u32x16 odd_bits = (u32x16)odd;
-        const u32x16 cur_hi = draw_bits(cur, 1), cur_lo = draw_bits(cur, 0);
-        const f32x16 u[2] = {uniform16((odd_bits & cur_lo) | (~odd_bits & cur_hi)),
-                             uniform16((odd_bits & draw_bits(next, 1)) | (~odd_bits & cur_lo))};
-        cur[0] = next[0];
-        cur[1] = next[1];
-        for (int64_t e = t; e < t + 2 && e < T; e++) {
-            f32x16 h;
-            memcpy(&h, p + e * F + c, sizeof h);
-            f32x16 q = u[e - t] + (h - lo_f) / div;
-            q = select16(q > zero, q, zero); /* NaN -> 0 */
-            q = select16(q < qmax, q, qmax);
-            word |= (u32x16)__builtin_convertvector(q, i32x16) << (uint32_t)(e % per_word * bits);
-            if (e % per_word == per_word - 1 || e == T - 1) {
-                const int64_t at = e / per_word * 4, n = cb - at < 4 ? cb - at : 4;
-                for (int l = 0; l < 16; l++) store_word(word[l], codes + (map0 + l) * cb + at, n);
-                word = (u32x16){0};
+    f32x16 cur_hi = draw_uniforms(cur, 1);
+    const int per_word = 32 / bits;
+    for (int64_t w0 = 0; w0 < T; w0 += per_word) {
+        u32x16 word = {0};
+#pragma GCC unroll 16
+        for (int k = 0; k < per_word; k += 2) {
+            if (w0 + k >= T) break;
+            next_draw(z, next);
+            const f32x16 cur_lo = draw_uniforms(cur, 0), next_hi = draw_uniforms(next, 1);
+            const f32x16 u[2] = {odd_maps ? select16(odd, cur_lo, cur_hi) : cur_hi,
+                                 odd_maps ? select16(odd, next_hi, cur_lo) : cur_lo};
+            cur[0] = next[0];
+            cur[1] = next[1];
+            cur_hi = next_hi;
+            for (int e = 0; e < 2 && w0 + k + e < T; e++) {
+                f32x16 h;
+                memcpy(&h, p + (w0 + k + e) * F + c, sizeof h);
+                f32x16 q = u[e] + (h - lo_f) / div;
+                q = select16(q > zero, q, zero); /* NaN -> 0 */
+                q = select16(q < qmax, q, qmax);
+                word |= (u32x16)__builtin_convertvector(q, i32x16) << (uint32_t)((k + e) * bits);
             }
         }
+        const int64_t at = w0 / per_word * 4;
+        uint8_t *out = codes + map0 * cb + at;
+        if (cb - at >= 4) {
+            for (int l = 0; l < 16; l++) store_word(word[l], out + l * cb, 4); /* one store */
+        } else {
+            for (int l = 0; l < 16; l++) store_word(word[l], out + l * cb, cb - at);
+        }
     }
+}
+
+/* Quantise and pack the 16 chan maps of sequence m at columns c (maps m * F + c + lane). */
+static void quantize_columns(const int64_t *g, int64_t m, int64_t c, int bits, const float *p,
+                             uint64_t seed, uint16_t *lo, uint16_t *step, uint8_t *codes) {
+#define COLUMNS_AT(b)                                                                          \
+    (g[T_H] * g[T_W] % 2 ? quantize_columns_fixed(g, m, c, p, seed, lo, step, codes, b, 1)     \
+                         : quantize_columns_fixed(g, m, c, p, seed, lo, step, codes, b, 0))
+    switch (bits) {
+        case 1: COLUMNS_AT(1); break;
+        case 2: COLUMNS_AT(2); break;
+        case 4: COLUMNS_AT(4); break;
+        default: COLUMNS_AT(8);
+    }
+#undef COLUMNS_AT
 }
 
 /* Quantise the residual panel of sequence m: one map per token row (tok) or per feature column
