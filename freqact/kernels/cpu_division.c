@@ -1268,67 +1268,168 @@ int freqact_token_encode(const int64_t *geom, int bits, const float *x, const fl
     return failed ? -1 : 0;
 }
 
-/* out[i] = q[i] * step + lo for the n codes packed at `codes`, with the quant decode's edge
- * rule: a sum that overflows while q * (step / 4) + lo / 4 is finite becomes that times 4,
- * saturated. q: scratch of n bytes (used on overflow only). */
+/* The quant decode's edge rule for one value h = q * step + lo: where it overflowed while
+ * q * (step / 4) + lo / 4 is finite, that times 4, saturated at +-FLT_MAX; else h. */
+static inline float quarter_rule(float h, float q, float lo_f, float step_f) {
+    const float quarter = q * (step_f * 0.25f) + lo_f * 0.25f;
+    if (isfinite(h) || !isfinite(quarter)) return h;
+    const float v = quarter * 4.0f;
+    return isfinite(v) ? v : (v > 0 ? FLT_MAX : -FLT_MAX);
+}
+
+/* out[i] = q[i] * step + lo for the n codes packed at `codes`, with the edge rule (quarter_rule).
+ * q: scratch of n bytes (used on overflow only). */
 static void dequantize_row(const uint8_t *codes, int64_t n, int bits, float lo_f, float step_f,
                            uint8_t *q, float *out) {
     if (!dequantize_codes(codes, n, bits, lo_f, step_f, 1, out)) return;
     unpack_row(codes, n, q, bits);
-    for (int64_t i = 0; i < n; i++) {
-        const float quarter = (float)q[i] * (step_f * 0.25f) + lo_f * 0.25f;
-        if (isfinite(out[i]) || !isfinite(quarter)) continue;
-        const float v = quarter * 4.0f;
-        out[i] = isfinite(v) ? v : (v > 0 ? FLT_MAX : -FLT_MAX);
+    for (int64_t i = 0; i < n; i++) out[i] = quarter_rule(out[i], (float)q[i], lo_f, step_f);
+}
+
+/* The first n <= 4 bytes at p as a little-endian word (n = 4: one load). */
+static inline uint32_t load_word(const uint8_t *p, int64_t n) {
+    if (n == 4) return le32(p);
+    uint32_t w = 0;
+    for (int64_t b = 0; b < n; b++) w |= (uint32_t)p[b] << (8 * b);
+    return w;
+}
+
+/* Tokens w0 .. w0 + per_word - 1 (those below T) of the 16 chan maps at columns c, their codes
+ * in lanes of `word`: out row t, columns c.. = (mean of t's block row) + (q * step + lo), the
+ * quarter-scale edge rule applied lane by lane with `fix`. Returns the lanes' finiteness of
+ * q * step + lo (all true with `fix`: nothing left to redo). always_inline with constant `bits`
+ * and `fix`. */
+static inline __attribute__((always_inline)) i32x16 decode_word(
+        const int64_t *g, int64_t w0, int64_t c, u32x16 word, f32x16 lo_f, f32x16 step_f,
+        const float *means, const int32_t *block_of, float *o, const int bits, const int fix) {
+    const int64_t T = g[T_H] * g[T_W], F = g[T_F];
+    const int per_word = 32 / bits;
+    i32x16 finite = finite16(lo_f) | ~finite16(lo_f); /* all true */
+#pragma GCC unroll 32
+    for (int k = 0; k < per_word; k++) {
+        const int64_t t = w0 + k;
+        if (t >= T) break;
+        const f32x16 q = __builtin_convertvector((i32x16)((word >> (uint32_t)(k * bits))
+                                                          & ((1u << bits) - 1u)), f32x16);
+        f32x16 h = q * step_f + lo_f;
+        if (fix) {
+            for (int l = 0; l < 16; l++) h[l] = quarter_rule(h[l], q[l], lo_f[l], step_f[l]);
+        } else {
+            finite &= finite16(h);
+        }
+        f32x16 mean;
+        memcpy(&mean, means + block_of[t] * F + c, sizeof mean);
+        const f32x16 v = mean + h;
+        memcpy(o + t * F + c, &v, sizeof v);
+    }
+    return finite;
+}
+
+/* The 16 chan maps of sequence m at columns c decoded straight into the output panel o: per
+ * lane a 32-bit word of codes, per token one vector of 16 columns (no row decode, transpose and
+ * mean pass; the same float operations per element). means: the sequence's mean rows (F floats
+ * per block row), block_of: each token's block row. always_inline with a constant `bits`. */
+static inline __attribute__((always_inline)) void dequantize_columns_fixed(
+        const int64_t *g, int64_t m, int64_t c, const uint16_t *lo, const uint16_t *step,
+        const uint8_t *codes, const float *means, const int32_t *block_of, float *o,
+        const int bits) {
+    const int64_t T = g[T_H] * g[T_W], F = g[T_F], cb = g[T_CODE_BYTES], map0 = m * F + c;
+    u16x16 lo16, step16;
+    memcpy(&lo16, lo + map0, sizeof lo16);
+    memcpy(&step16, step + map0, sizeof step16);
+    const f32x16 lo_f = bf16_to_float16(__builtin_convertvector(lo16, i32x16));
+    const f32x16 step_f = bf16_to_float16(__builtin_convertvector(step16, i32x16));
+    const uint8_t *cm = codes + map0 * cb;
+    const int per_word = 32 / bits;
+    for (int64_t w0 = 0; w0 < T; w0 += per_word) {
+        const int64_t at = w0 / per_word * 4, n = cb - at < 4 ? cb - at : 4;
+        u32x16 word;
+        for (int l = 0; l < 16; l++) word[l] = load_word(cm + l * cb + at, n);
+        const i32x16 finite = decode_word(g, w0, c, word, lo_f, step_f, means, block_of, o,
+                                          bits, 0);
+        int all = 1;
+        for (int l = 0; l < 16; l++) all &= finite[l] != 0;
+        if (!all) decode_word(g, w0, c, word, lo_f, step_f, means, block_of, o, bits, 1);
     }
 }
 
+static void dequantize_columns(const int64_t *g, int64_t m, int64_t c, int bits,
+                               const uint16_t *lo, const uint16_t *step, const uint8_t *codes,
+                               const float *means, const int32_t *block_of, float *o) {
+#define DECODE_AT(b) dequantize_columns_fixed(g, m, c, lo, step, codes, means, block_of, o, b)
+    switch (bits) {
+        case 1: DECODE_AT(1); break;
+        case 2: DECODE_AT(2); break;
+        case 4: DECODE_AT(4); break;
+        default: DECODE_AT(8);
+    }
+#undef DECODE_AT
+}
+
 /* Inverse of freqact_token_encode into float32 panels (H * W, F), one per sequence at
- * out + m * T_OUT_STRIDE: upsample(lfc) + (q * step + lo). Returns 0, or -1 without memory. */
+ * out + m * T_OUT_STRIDE: upsample(lfc) + (q * step + lo). Per sequence the mean rows of its
+ * block rows first; `chan` maps with F a multiple of 16 then go 16 at a time down the columns
+ * (dequantize_columns), other `chan` maps through a row decode and a transpose, `tok` maps row
+ * by row, the mean added as each row is decoded. Returns 0, or -1 without memory. */
 int freqact_token_decode(const int64_t *geom, int bits, const uint16_t *lfc, const uint16_t *lo,
                          const uint16_t *step, const uint8_t *codes, float *out, int threads) {
     const int64_t M = geom[T_M], W = geom[T_W], T = geom[T_H] * W, F = geom[T_F];
-    const int64_t nblocks = geom[T_NBH] * geom[T_NBW] * geom[T_NBF], longest = T > F ? T : F;
-    const int chan = geom[T_STATS] == 1;
-    const int64_t maps = chan ? F : T, n = chan ? T : F;
+    const int64_t nbw = geom[T_NBW], rows = geom[T_NBH] * nbw;
+    const int64_t nblocks = rows * geom[T_NBF], longest = T > F ? T : F;
+    const int chan = geom[T_STATS] == 1, columns = chan && F % 16 == 0;
+    int32_t *block_of = malloc((size_t)T * sizeof(int32_t));
+    if (!block_of) return -1;
+    for (int64_t t = 0; t < T; t++)
+        block_of[t] = (int32_t)(t / W / geom[T_BH] * nbw + t % W / geom[T_BW]);
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *h = malloc((size_t)(T * F) * sizeof(float));
-        float *ht = chan ? malloc((size_t)(T * F) * sizeof(float)) : NULL;
-        float *row = malloc((size_t)F * sizeof(float));
+        float *means = malloc((size_t)(rows * F) * sizeof(float));
+        /* the row decode's h, (T, F) for `chan` maps (ht their (F, T) rows), one row for `tok` */
+        float *h = columns ? NULL : malloc((size_t)((chan ? T : 1) * F) * sizeof(float));
+        float *ht = chan && !columns ? malloc((size_t)(T * F) * sizeof(float)) : NULL;
         uint8_t *q = malloc((size_t)longest);
-        if (!h || (chan && !ht) || !row || !q) {
+        if (!means || (!columns && !h) || (chan && !columns && !ht) || !q) {
             failed = 1;
         } else {
 #pragma omp for schedule(dynamic, 1)  /* a descheduled thread holds up no fixed share */
             for (int64_t m = 0; m < M; m++) {
-                float *hq = chan ? ht : h;
-                for (int64_t r = 0; r < maps; r++) {
-                    const int64_t map = m * maps + r;
-                    dequantize_row(codes + map * geom[T_CODE_BYTES], n, bits,
-                                   bf16_to_float(lo[map]), bf16_to_float(step[map]), q,
-                                   hq + r * n);
-                }
-                if (chan) transpose(ht, F, T, h);
-                float *o = out + m * geom[T_OUT_STRIDE];
                 for (int64_t i = 0; i < geom[T_NBH]; i++)
-                    for (int64_t j = 0; j < geom[T_NBW]; j++) {
-                        const block_row r = block_row_at(geom, i, j);
-                        mean_row(geom, lfc + m * nblocks, r, row);
-                        for (int64_t hh = r.h0; hh < r.h1; hh++)
-                            for (int64_t w = r.w0; w < r.w1; w++) {
-                                const int64_t t = hh * W + w;
-                                for (int64_t f = 0; f < F; f++)
-                                    o[t * F + f] = row[f] + h[t * F + f];
-                            }
+                    for (int64_t j = 0; j < nbw; j++)
+                        mean_row(geom, lfc + m * nblocks, block_row_at(geom, i, j),
+                                 means + (i * nbw + j) * F);
+                float *o = out + m * geom[T_OUT_STRIDE];
+                if (columns) {
+                    for (int64_t c = 0; c < F; c += 16)
+                        dequantize_columns(geom, m, c, bits, lo, step, codes, means, block_of, o);
+                    continue;
+                }
+                if (chan) {
+                    for (int64_t f = 0; f < F; f++) {
+                        const int64_t map = m * F + f;
+                        dequantize_row(codes + map * geom[T_CODE_BYTES], T, bits,
+                                       bf16_to_float(lo[map]), bf16_to_float(step[map]), q,
+                                       ht + f * T);
                     }
+                    transpose(ht, F, T, h);
+                }
+                for (int64_t t = 0; t < T; t++) {
+                    const float *ht_row = chan ? h + t * F : h;
+                    if (!chan) {
+                        const int64_t map = m * T + t;
+                        dequantize_row(codes + map * geom[T_CODE_BYTES], F, bits,
+                                       bf16_to_float(lo[map]), bf16_to_float(step[map]), q, h);
+                    }
+                    const float *mean = means + block_of[t] * F;
+                    for (int64_t f = 0; f < F; f++) o[t * F + f] = mean[f] + ht_row[f];
+                }
             }
         }
+        free(means);
         free(h);
         free(ht);
-        free(row);
         free(q);
     }
+    free(block_of);
     return failed ? -1 : 0;
 }
