@@ -1022,14 +1022,16 @@ static void panel_residual(const int64_t *g, const float *src, float *p, uint16_
         }
 }
 
-/* --- chan maps 16 at a time: one map (a feature column of the panel) per lane --------------
+/* --- quant maps 16 at a time: one map per lane ----------------------------------------------
  *
- * For `chan` stats without given noise and F a multiple of 16, the maps are read down the
- * columns of the residual panel, 16 of them in lanes: no transpose and no per-map reductions.
- * Per lane these are quantize_map's float operations in its order (the same bytes): min/max in
- * 8 phase accumulators (token t of the first T - T % 8 in phase t % 8) reduced as first_extreme
- * reduces its lanes, then the tail tokens in order; the uniforms are those of the map's elements
- * in the stream, drawn per lane. */
+ * Without given noise, the quant maps of a panel go 16 at a time in lanes: `chan` maps read
+ * down 16 columns of the residual panel in place, `tok` maps (token rows) from a 16-row strip
+ * transposed to 16 columns; the rest (maps % 16) one by one by quantize_map. No per-map
+ * reductions and no uniforms written to memory. Per lane these are quantize_map's float
+ * operations in its order (the same bytes): min/max in 8 phase accumulators (element e of the
+ * first n - n % 8 in phase e % 8) reduced as first_extreme reduces its lanes, then the tail
+ * elements in order; the uniforms are those of the map's elements in the stream, drawn per
+ * lane. */
 
 /* Lane-wise `mask ? a : b` on 16 bf16 bit patterns in int32 lanes */
 static inline i32x16 pick16(i32x16 mask, i32x16 a, i32x16 b) { return (mask & a) | (~mask & b); }
@@ -1068,26 +1070,27 @@ static inline void reduce_phases(f32x16 *mn, f32x16 *mx) {
         }
 }
 
-/* min and max of the 16 columns at c of the residual panel p (T x F), NaN where a column has
- * one, in quantize_map's order. The 8 phases are unrolled so that their accumulators stay in
- * registers (indexed by t % 8 they were kept on the stack: a store and a reload per token). */
-static void column_range(const float *p, int64_t T, int64_t F, int64_t c, f32x16 *mn_out,
-                         f32x16 *mx_out) {
+/* min and max of 16 maps of n elements in lanes (element e of all 16 at p + e * stride), NaN
+ * where a map has one, in quantize_map's order. The 8 phases are unrolled so that their
+ * accumulators stay in registers (indexed by e % 8 they were kept on the stack: a store and a
+ * reload per element). */
+static void lanes_range(const float *p, int64_t n, int64_t stride, f32x16 *mn_out,
+                        f32x16 *mx_out) {
     f32x16 mn[8], mx[8], v;
     i32x16 nan = {0};
     for (int k = 0; k < 8; k++) mn[k] = splat16(INFINITY), mx[k] = splat16(-INFINITY);
-    const int64_t whole = T - T % 8;
+    const int64_t whole = n - n % 8;
     for (int64_t t = 0; t < whole; t += 8)
 #pragma GCC unroll 8
         for (int k = 0; k < 8; k++) {
-            memcpy(&v, p + (t + k) * F + c, sizeof v);
+            memcpy(&v, p + (t + k) * stride, sizeof v);
             mn[k] = select16(v < mn[k], v, mn[k]);
             mx[k] = select16(v > mx[k], v, mx[k]);
             nan |= v != v;
         }
     reduce_phases(mn, mx);
-    for (int64_t t = whole; t < T; t++) {
-        memcpy(&v, p + t * F + c, sizeof v);
+    for (int64_t t = whole; t < n; t++) {
+        memcpy(&v, p + t * stride, sizeof v);
         mn[0] = select16(v < mn[0], v, mn[0]);
         mx[0] = select16(v > mx[0], v, mx[0]);
         nan |= v != v;
@@ -1122,15 +1125,14 @@ static inline void next_draw(u64x8 z[2], u64x8 r[2]) {
     }
 }
 
-/* quantize_columns with a constant `bits` and `odd_maps` (whether a map can start at an odd
- * element of the stream: T odd), always_inline: the shifts of the packing are constants and a
+/* quantize_lanes with a constant `bits` and `odd_maps` (whether a map can start at an odd
+ * element of the stream: n odd), always_inline: the shifts of the packing are constants and a
  * stream of even maps needs no per-lane choice of draw halves. */
-static inline __attribute__((always_inline)) void quantize_columns_fixed(
-        const int64_t *g, int64_t m, int64_t c, const float *p, uint64_t seed, uint16_t *lo,
-        uint16_t *step, uint8_t *codes, const int bits, const int odd_maps) {
-    const int64_t T = g[T_H] * g[T_W], F = g[T_F], cb = g[T_CODE_BYTES], map0 = m * F + c;
+static inline __attribute__((always_inline)) void quantize_lanes_fixed(
+        int64_t map0, int64_t n, int64_t cb, const float *p, int64_t stride, uint64_t seed,
+        uint16_t *lo, uint16_t *step, uint8_t *codes, const int bits, const int odd_maps) {
     f32x16 mn, mx;
-    column_range(p, T, F, c, &mn, &mx);
+    lanes_range(p, n, stride, &mn, &mx);
     const f32x16 qmax = splat16((float)((1 << bits) - 1)), zero = {0};
     const i32x16 lo_b = bf16_directed16(mn, 0);
     const f32x16 lo_f = bf16_to_float16(lo_b), span = mx - lo_f;
@@ -1143,25 +1145,25 @@ static inline __attribute__((always_inline)) void quantize_columns_fixed(
     const u16x16 step16 = __builtin_convertvector(step_b, u16x16);
     memcpy(lo + map0, &lo16, sizeof lo16);
     memcpy(step + map0, &step16, sizeof step16);
-    /* map l's element t is element first_l + t of the stream, first_l = (map0 + l) * T: an
-     * even first_l takes tokens t, t + 1 (t even) from one draw (cur), an odd one token t from
-     * cur's low bits and t + 1 from the next draw's high bits */
+    /* map l's element t is element first_l + t of the stream, first_l = (map0 + l) * n: an
+     * even first_l takes elements t, t + 1 (t even) from one draw (cur), an odd one element t
+     * from cur's low bits and t + 1 from the next draw's high bits */
     const u64x8 lanes = {0, 1, 2, 3, 4, 5, 6, 7};
     u64x8 z[2], cur[2], next[2];
     i32x16 odd = {0};
     for (int half = 0; half < 2; half++) {
-        const u64x8 first = ((uint64_t)map0 + 8u * half + lanes) * (uint64_t)T;
+        const u64x8 first = ((uint64_t)map0 + 8u * half + lanes) * (uint64_t)n;
         z[half] = seed + ((first >> 1) + 1u) * GOLDEN_GAMMA;
         for (int l = 0; l < 8; l++) odd[8 * half + l] = -(int32_t)(first[l] & 1u);
     }
     next_draw(z, cur);
     f32x16 cur_hi = draw_uniforms(cur, 1);
     const int per_word = 32 / bits;
-    for (int64_t w0 = 0; w0 < T; w0 += per_word) {
+    for (int64_t w0 = 0; w0 < n; w0 += per_word) {
         u32x16 word = {0};
 #pragma GCC unroll 16
         for (int k = 0; k < per_word; k += 2) {
-            if (w0 + k >= T) break;
+            if (w0 + k >= n) break;
             next_draw(z, next);
             const f32x16 cur_lo = draw_uniforms(cur, 0), next_hi = draw_uniforms(next, 1);
             const f32x16 u[2] = {odd_maps ? select16(odd, cur_lo, cur_hi) : cur_hi,
@@ -1169,9 +1171,9 @@ static inline __attribute__((always_inline)) void quantize_columns_fixed(
             cur[0] = next[0];
             cur[1] = next[1];
             cur_hi = next_hi;
-            for (int e = 0; e < 2 && w0 + k + e < T; e++) {
+            for (int e = 0; e < 2 && w0 + k + e < n; e++) {
                 f32x16 h;
-                memcpy(&h, p + (w0 + k + e) * F + c, sizeof h);
+                memcpy(&h, p + (w0 + k + e) * stride, sizeof h);
                 f32x16 q = u[e] + (h - lo_f) / div;
                 q = select16(q > zero, q, zero); /* NaN -> 0 */
                 q = select16(q < qmax, q, qmax);
@@ -1188,42 +1190,50 @@ static inline __attribute__((always_inline)) void quantize_columns_fixed(
     }
 }
 
-/* Quantise and pack the 16 chan maps of sequence m at columns c (maps m * F + c + lane). */
-static void quantize_columns(const int64_t *g, int64_t m, int64_t c, int bits, const float *p,
-                             uint64_t seed, uint16_t *lo, uint16_t *step, uint8_t *codes) {
-#define COLUMNS_AT(b)                                                                          \
-    (g[T_H] * g[T_W] % 2 ? quantize_columns_fixed(g, m, c, p, seed, lo, step, codes, b, 1)     \
-                         : quantize_columns_fixed(g, m, c, p, seed, lo, step, codes, b, 0))
+/* Quantise and pack the 16 quant maps map0 + lane of n elements each (element e of all 16 at
+ * p + e * stride; cb code bytes per map). */
+static void quantize_lanes(int64_t map0, int64_t n, int64_t cb, int bits, const float *p,
+                           int64_t stride, uint64_t seed, uint16_t *lo, uint16_t *step,
+                           uint8_t *codes) {
+#define LANES_AT(b)                                                                            \
+    (n % 2 ? quantize_lanes_fixed(map0, n, cb, p, stride, seed, lo, step, codes, b, 1)         \
+           : quantize_lanes_fixed(map0, n, cb, p, stride, seed, lo, step, codes, b, 0))
     switch (bits) {
-        case 1: COLUMNS_AT(1); break;
-        case 2: COLUMNS_AT(2); break;
-        case 4: COLUMNS_AT(4); break;
-        default: COLUMNS_AT(8);
+        case 1: LANES_AT(1); break;
+        case 2: LANES_AT(2); break;
+        case 4: LANES_AT(4); break;
+        default: LANES_AT(8);
     }
-#undef COLUMNS_AT
+#undef LANES_AT
 }
 
-/* Quantise the residual panel of sequence m: one map per token row (tok) or per feature column
- * (chan, through the transposed copy ht). u: scratch of T * F + 16 floats (the panel's maps
- * follow each other in the noise stream: their uniforms are drawn in one go). */
+/* Quantise the residual panel p of sequence m: one map per token row (tok) or per feature
+ * column (chan). Without given noise 16 maps at a time in lanes (quantize_lanes; tok rows
+ * through a transposed 16-row strip in ht), the rest one by one through the transposed panel ht
+ * (chan) with their uniforms drawn in one go (the panel's maps follow each other in the
+ * stream). ht: scratch of T * F floats; u: of T * F + 16. */
 static void quantize_panel(const int64_t *g, int64_t m, int bits, const float *p, float *ht,
                            const float *noise, uint64_t seed, float *u, uint16_t *lo,
                            uint16_t *step, uint8_t *codes) {
-    const int64_t T = g[T_H] * g[T_W], F = g[T_F];
+    const int64_t T = g[T_H] * g[T_W], F = g[T_F], cb = g[T_CODE_BYTES];
     const int chan = g[T_STATS] == 1;
     const int64_t maps = chan ? F : T, n = chan ? T : F;
-    if (chan && !noise && F % 16 == 0) {
-        for (int64_t c = 0; c < F; c += 16) quantize_columns(g, m, c, bits, p, seed, lo, step, codes);
-        return;
+    const int64_t lanes = noise ? 0 : maps - maps % 16; /* maps quantised in lanes */
+    for (int64_t r = 0; r < lanes; r += 16) {
+        if (!chan) transpose(p + r * F, 16, F, ht);
+        quantize_lanes(m * maps + r, n, cb, bits, chan ? p + r : ht, chan ? F : 16, seed, lo,
+                       step, codes);
     }
+    if (lanes == maps) return;
     if (chan) transpose(p, T, F, ht);
     const float *h = chan ? ht : p;
-    const float *uniforms = noise ? noise + m * maps * n
-                                  : splitmix_uniforms(seed, (uint64_t)(m * maps * n), maps * n, u);
-    for (int64_t r = 0; r < maps; r++) {
+    const int64_t first = (m * maps + lanes) * n; /* the first remaining element's stream index */
+    const float *uniforms = noise ? noise + first
+                                  : splitmix_uniforms(seed, (uint64_t)first, (maps - lanes) * n, u);
+    for (int64_t r = lanes; r < maps; r++) {
         const int64_t map = m * maps + r;
-        quantize_map(n, bits, h + r * n, uniforms + r * n, lo + map, step + map,
-                     codes + map * g[T_CODE_BYTES]);
+        quantize_map(n, bits, h + r * n, uniforms + (r - lanes) * n, lo + map, step + map,
+                     codes + map * cb);
     }
 }
 
@@ -1236,18 +1246,17 @@ int freqact_token_encode(const int64_t *geom, int bits, const float *x, const fl
                          uint8_t *codes, int threads) {
     const int64_t M = geom[T_M], T = geom[T_H] * geom[T_W], F = geom[T_F];
     const int64_t nblocks = geom[T_NBH] * geom[T_NBW] * geom[T_NBF];
-    const int chan = geom[T_STATS] == 1;
     const int dense = geom[T_SF] == 1 && (T == 1 || geom[T_SW] == F)
                       && (geom[T_H] == 1 || geom[T_SH] == geom[T_W] * F);
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float *p = malloc((size_t)(T * F) * sizeof(float));
-        float *ht = chan ? malloc((size_t)(T * F) * sizeof(float)) : NULL;
+        float *ht = malloc((size_t)(T * F) * sizeof(float));
         float *acc = malloc((size_t)F * sizeof(float));
         float *row = malloc((size_t)F * sizeof(float));
         float *u = noise ? NULL : malloc((size_t)(T * F + 16) * sizeof(float));
-        if (!p || (chan && !ht) || !acc || !row || (!noise && !u)) {
+        if (!p || !ht || !acc || !row || (!noise && !u)) {
             failed = 1;
         } else {
 #pragma omp for schedule(dynamic, 1)  /* a descheduled thread holds up no fixed share */
