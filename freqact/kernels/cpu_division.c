@@ -992,6 +992,40 @@ static void row_means(const int64_t *g, const float *src, block_row r, const flo
     }
 }
 
+/* acc[f] for the `vecs` vectors of 16 features at f: 0 + x[f] of the tokens of block row r in
+ * order (h, w), in registers. always_inline with a constant `vecs`. */
+static inline __attribute__((always_inline)) void sum_vectors(const int64_t *g, const float *src,
+                                                              block_row r, int64_t f,
+                                                              float *acc, const int vecs) {
+    const int64_t W = g[T_W], F = g[T_F];
+    f32x16 sum[4] = {{0}}, v;
+    for (int64_t h = r.h0; h < r.h1; h++)
+        for (int64_t w = r.w0; w < r.w1; w++) {
+            const float *x = src + (h * W + w) * F + f;
+            for (int k = 0; k < vecs; k++) {
+                memcpy(&v, x + 16 * k, sizeof v);
+                sum[k] += v;
+            }
+        }
+    for (int k = 0; k < vecs; k++) memcpy(acc + f + 16 * k, &sum[k], sizeof sum[k]);
+}
+
+/* acc[f] = 0 + x[f] of the tokens of block row r in order (h, w): 64 features at a time in four
+ * registers (independent additions: one running sum waits on its previous add), then 16, then
+ * one by one. Added into acc in memory, each token cost a load and a store more per vector. */
+static void block_row_sums(const int64_t *g, const float *src, block_row r, float *acc) {
+    const int64_t W = g[T_W], F = g[T_F];
+    int64_t f = 0;
+    for (; f + 64 <= F; f += 64) sum_vectors(g, src, r, f, acc, 4);
+    for (; f + 16 <= F; f += 16) sum_vectors(g, src, r, f, acc, 1);
+    for (; f < F; f++) {
+        float sum = 0.0f;
+        for (int64_t h = r.h0; h < r.h1; h++)
+            for (int64_t w = r.w0; w < r.w1; w++) sum += src[(h * W + w) * F + f];
+        acc[f] = sum;
+    }
+}
+
 /* Block means of the panel src ((H * W, F), contiguous) into lfc and its residual into p (which
  * may be src). acc, row: scratch of F floats. */
 static void panel_residual(const int64_t *g, const float *src, float *p, uint16_t *lfc,
@@ -1006,14 +1040,7 @@ static void panel_residual(const int64_t *g, const float *src, float *p, uint16_
             const float tokens = (float)((r.h1 - r.h0) * (r.w1 - r.w0));
             /* acc[f] = the block row's sum over its tokens (the token itself for one token) */
             const float *sums = tokens == 1.0f ? src + (r.h0 * W + r.w0) * F : acc;
-            if (sums == acc) {
-                for (int64_t f = 0; f < F; f++) acc[f] = 0.0f;
-                for (int64_t h = r.h0; h < r.h1; h++)
-                    for (int64_t w = r.w0; w < r.w1; w++) {
-                        const float *x = src + (h * W + w) * F;
-                        for (int64_t f = 0; f < F; f++) acc[f] += x[f];
-                    }
-            }
+            if (sums == acc) block_row_sums(g, src, r, acc);
             if (r.h0 * W + r.w0 >= done) row_means(g, src, r, sums, tokens, lfc);
             mean_row(g, lfc, r, row);
             for (int64_t h = r.h0; h < r.h1; h++)
@@ -1032,6 +1059,22 @@ static void panel_residual(const int64_t *g, const float *src, float *p, uint16_
  * first n - n % 8 in phase e % 8) reduced as first_extreme reduces its lanes, then the tail
  * elements in order; the uniforms are those of the map's elements in the stream, drawn per
  * lane. */
+
+/* Lane-wise a < b ? a : b and a > b ? a : b: written per lane so that the compiler sees the
+ * comparison and emits one vminps/vmaxps (exactly this, NaN and -0/+0 included) where a select
+ * on a mask costs a compare and a blend. For running minima/maxima only: against a constant
+ * vector GCC 12 leaves such a lane loop scalar. */
+static inline f32x16 less16(f32x16 a, f32x16 b) {
+    f32x16 r;
+    for (int l = 0; l < 16; l++) r[l] = a[l] < b[l] ? a[l] : b[l];
+    return r;
+}
+
+static inline f32x16 greater16(f32x16 a, f32x16 b) {
+    f32x16 r;
+    for (int l = 0; l < 16; l++) r[l] = a[l] > b[l] ? a[l] : b[l];
+    return r;
+}
 
 /* Lane-wise `mask ? a : b` on 16 bf16 bit patterns in int32 lanes */
 static inline i32x16 pick16(i32x16 mask, i32x16 a, i32x16 b) { return (mask & a) | (~mask & b); }
@@ -1057,7 +1100,7 @@ static inline f32x16 bf16_to_float16(i32x16 b) {
 /* Combine phases of accumulators pairwise as first_extreme combines lanes: acc[a] keeps its
  * value unless acc[b] is strictly below (above for max). */
 static inline void combine_phases(f32x16 *acc, int a, int b, int max) {
-    acc[a] = select16(max ? acc[b] > acc[a] : acc[b] < acc[a], acc[b], acc[a]);
+    acc[a] = max ? greater16(acc[b], acc[a]) : less16(acc[b], acc[a]);
 }
 
 /* Phases k and k + step of accumulators combined into k for step = 1, 2, 4, as first_extreme
@@ -1084,15 +1127,15 @@ static void lanes_range(const float *p, int64_t n, int64_t stride, f32x16 *mn_ou
 #pragma GCC unroll 8
         for (int k = 0; k < 8; k++) {
             memcpy(&v, p + (t + k) * stride, sizeof v);
-            mn[k] = select16(v < mn[k], v, mn[k]);
-            mx[k] = select16(v > mx[k], v, mx[k]);
+            mn[k] = less16(v, mn[k]);
+            mx[k] = greater16(v, mx[k]);
             nan |= v != v;
         }
     reduce_phases(mn, mx);
     for (int64_t t = whole; t < n; t++) {
         memcpy(&v, p + t * stride, sizeof v);
-        mn[0] = select16(v < mn[0], v, mn[0]);
-        mx[0] = select16(v > mx[0], v, mx[0]);
+        mn[0] = less16(v, mn[0]);
+        mx[0] = greater16(v, mx[0]);
         nan |= v != v;
     }
     *mn_out = select16(nan, splat16(NAN), mn[0]);
