@@ -786,6 +786,12 @@ void freqact_unpack_mask(int64_t n, const uint8_t *packed, float off, float on, 
 enum { T_M, T_H, T_W, T_F, T_BH, T_BW, T_BF, T_NBH, T_NBW, T_NBF, T_LH, T_LW, T_LF, T_STATS,
        T_CODE_BYTES, T_SM, T_SH, T_SW, T_SF, T_OUT_STRIDE, T_LEN };
 
+/* The OpenMP team for M sequences: no more threads than sequences (an idle thread's wake-up
+ * and join cost a small call more than its share), at least one. */
+static inline int team(int64_t M, int threads) {
+    return M < threads ? (M > 0 ? (int)M : 1) : threads;
+}
+
 /* p[(h * W + w) * F + f] = x[h * sh + w * sw + f * sf] for one sequence. */
 static void gather_panel(const int64_t *g, const float *x, float *p) {
     const int64_t H = g[T_H], W = g[T_W], F = g[T_F];
@@ -1292,7 +1298,7 @@ int freqact_token_encode(const int64_t *geom, int bits, const float *x, const fl
     const int dense = geom[T_SF] == 1 && (T == 1 || geom[T_SW] == F)
                       && (geom[T_H] == 1 || geom[T_SH] == geom[T_W] * F);
     int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
+#pragma omp parallel num_threads(team(M, threads)) reduction(| : failed)
     {
         float *p = malloc((size_t)(T * F) * sizeof(float));
         float *ht = malloc((size_t)(T * F) * sizeof(float));
@@ -1434,7 +1440,7 @@ int freqact_token_decode(const int64_t *geom, int bits, const uint16_t *lfc, con
     for (int64_t t = 0; t < T; t++)
         block_of[t] = (int32_t)(t / W / geom[T_BH] * nbw + t % W / geom[T_BW]);
     int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
+#pragma omp parallel num_threads(team(M, threads)) reduction(| : failed)
     {
         float *means = malloc((size_t)(rows * F) * sizeof(float));
         /* the row decode's h, (T, F) for `chan` maps (ht their (F, T) rows), one row for `tok` */
