@@ -835,14 +835,15 @@ static inline void transpose8(const float *src, int64_t ss, float *dst, int64_t 
     for (int k = 0; k < 8; k++) memcpy(dst + k * ds, &c[k], sizeof c[k]);
 }
 
-/* dst (cols, rows) = src (rows, cols) transposed: 8 x 8 tiles in registers, the edges by
- * element. */
-static void transpose(const float *src, int64_t rows, int64_t cols, float *dst) {
+/* dst (cols, rows) = src (rows, cols; rows `stride` floats apart) transposed: 8 x 8 tiles in
+ * registers, the edges by element. */
+static void transpose(const float *src, int64_t rows, int64_t cols, int64_t stride, float *dst) {
     const int64_t rows8 = rows - rows % 8, cols8 = cols - cols % 8;
     for (int64_t r = 0; r < rows8; r += 8)
-        for (int64_t c = 0; c < cols8; c += 8) transpose8(src + r * cols + c, cols, dst + c * rows + r, rows);
+        for (int64_t c = 0; c < cols8; c += 8)
+            transpose8(src + r * stride + c, stride, dst + c * rows + r, rows);
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = r < rows8 ? cols8 : 0; c < cols; c++) dst[c * rows + r] = src[r * cols + c];
+        for (int64_t c = r < rows8 ? cols8 : 0; c < cols; c++) dst[c * rows + r] = src[r * stride + c];
 }
 
 /* The block rows of a panel: blocks (i, j, .) cover tokens h in [h0, h1), w in [w0, w1). */
@@ -1258,9 +1259,9 @@ static void quantize_lanes(int64_t map0, int64_t n, int64_t cb, int bits, const 
 
 /* Quantise the residual panel p of sequence m: one map per token row (tok) or per feature
  * column (chan). Without given noise 16 maps at a time in lanes (quantize_lanes; tok rows
- * through a transposed 16-row strip in ht), the rest one by one through the transposed panel ht
- * (chan) with their uniforms drawn in one go (the panel's maps follow each other in the
- * stream). ht: scratch of T * F floats; u: of T * F + 16. */
+ * through a transposed 16-row strip in ht), the rest one by one (chan: the remaining columns
+ * transposed into ht) with their uniforms drawn in one go (the panel's maps follow each other in
+ * the stream). ht: scratch of T * F floats; u: of T * F + 16. */
 static void quantize_panel(const int64_t *g, int64_t m, int bits, const float *p, float *ht,
                            const float *noise, uint64_t seed, float *u, uint16_t *lo,
                            uint16_t *step, uint8_t *codes) {
@@ -1269,20 +1270,20 @@ static void quantize_panel(const int64_t *g, int64_t m, int bits, const float *p
     const int64_t maps = chan ? F : T, n = chan ? T : F;
     const int64_t lanes = noise ? 0 : maps - maps % 16; /* maps quantised in lanes */
     for (int64_t r = 0; r < lanes; r += 16) {
-        if (!chan) transpose(p + r * F, 16, F, ht);
+        if (!chan) transpose(p + r * F, 16, F, F, ht);
         quantize_lanes(m * maps + r, n, cb, bits, chan ? p + r : ht, chan ? F : 16, seed, lo,
                        step, codes);
     }
     if (lanes == maps) return;
-    if (chan) transpose(p, T, F, ht);
-    const float *h = chan ? ht : p;
+    if (chan) transpose(p + lanes, T, F - lanes, F, ht);
+    const float *h = chan ? ht : p + lanes * F; /* the remaining maps, one after the other */
     const int64_t first = (m * maps + lanes) * n; /* the first remaining element's stream index */
     const float *uniforms = noise ? noise + first
                                   : splitmix_uniforms(seed, (uint64_t)first, (maps - lanes) * n, u);
     for (int64_t r = lanes; r < maps; r++) {
         const int64_t map = m * maps + r;
-        quantize_map(n, bits, h + r * n, uniforms + (r - lanes) * n, lo + map, step + map,
-                     codes + map * cb);
+        quantize_map(n, bits, h + (r - lanes) * n, uniforms + (r - lanes) * n, lo + map,
+                     step + map, codes + map * cb);
     }
 }
 
@@ -1426,15 +1427,17 @@ static void dequantize_columns(const int64_t *g, int64_t m, int64_t c, int bits,
 
 /* Inverse of freqact_token_encode into float32 panels (H * W, F), one per sequence at
  * out + m * T_OUT_STRIDE: upsample(lfc) + (q * step + lo). Per sequence the mean rows of its
- * block rows first; `chan` maps with F a multiple of 16 then go 16 at a time down the columns
- * (dequantize_columns), other `chan` maps through a row decode and a transpose, `tok` maps row
- * by row, the mean added as each row is decoded. Returns 0, or -1 without memory. */
+ * block rows first; `chan` maps then go 16 at a time down the columns (dequantize_columns), the
+ * other maps (tok rows, the last F % 16 chan columns) one by one through a row decode, the mean
+ * added as each is written. Returns 0, or -1 without memory. */
 int freqact_token_decode(const int64_t *geom, int bits, const uint16_t *lfc, const uint16_t *lo,
                          const uint16_t *step, const uint8_t *codes, float *out, int threads) {
     const int64_t M = geom[T_M], W = geom[T_W], T = geom[T_H] * W, F = geom[T_F];
-    const int64_t nbw = geom[T_NBW], rows = geom[T_NBH] * nbw;
-    const int64_t nblocks = rows * geom[T_NBF], longest = T > F ? T : F;
-    const int chan = geom[T_STATS] == 1, columns = chan && F % 16 == 0;
+    const int64_t nbw = geom[T_NBW], rows = geom[T_NBH] * nbw, cb = geom[T_CODE_BYTES];
+    const int64_t nblocks = rows * geom[T_NBF];
+    const int chan = geom[T_STATS] == 1;
+    const int64_t maps = chan ? F : T, n = chan ? T : F;
+    const int64_t lanes = chan ? F - F % 16 : 0; /* maps decoded in lanes */
     int32_t *block_of = malloc((size_t)T * sizeof(int32_t));
     if (!block_of) return -1;
     for (int64_t t = 0; t < T; t++)
@@ -1443,11 +1446,9 @@ int freqact_token_decode(const int64_t *geom, int bits, const uint16_t *lfc, con
 #pragma omp parallel num_threads(team(M, threads)) reduction(| : failed)
     {
         float *means = malloc((size_t)(rows * F) * sizeof(float));
-        /* the row decode's h, (T, F) for `chan` maps (ht their (F, T) rows), one row for `tok` */
-        float *h = columns ? NULL : malloc((size_t)((chan ? T : 1) * F) * sizeof(float));
-        float *ht = chan && !columns ? malloc((size_t)(T * F) * sizeof(float)) : NULL;
-        uint8_t *q = malloc((size_t)longest);
-        if (!means || (!columns && !h) || (chan && !columns && !ht) || !q) {
+        float *h = malloc((size_t)n * sizeof(float)); /* one map's q * step + lo */
+        uint8_t *q = malloc((size_t)n);
+        if (!means || !h || !q) {
             failed = 1;
         } else {
 #pragma omp for schedule(dynamic, 1)  /* a descheduled thread holds up no fixed share */
@@ -1457,35 +1458,24 @@ int freqact_token_decode(const int64_t *geom, int bits, const uint16_t *lfc, con
                         mean_row(geom, lfc + m * nblocks, block_row_at(geom, i, j),
                                  means + (i * nbw + j) * F);
                 float *o = out + m * geom[T_OUT_STRIDE];
-                if (columns) {
-                    for (int64_t c = 0; c < F; c += 16)
-                        dequantize_columns(geom, m, c, bits, lo, step, codes, means, block_of, o);
-                    continue;
-                }
-                if (chan) {
-                    for (int64_t f = 0; f < F; f++) {
-                        const int64_t map = m * F + f;
-                        dequantize_row(codes + map * geom[T_CODE_BYTES], T, bits,
-                                       bf16_to_float(lo[map]), bf16_to_float(step[map]), q,
-                                       ht + f * T);
+                for (int64_t c = 0; c < lanes; c += 16)
+                    dequantize_columns(geom, m, c, bits, lo, step, codes, means, block_of, o);
+                for (int64_t r = lanes; r < maps; r++) {
+                    const int64_t map = m * maps + r;
+                    dequantize_row(codes + map * cb, n, bits, bf16_to_float(lo[map]),
+                                   bf16_to_float(step[map]), q, h);
+                    if (chan) {
+                        for (int64_t t = 0; t < T; t++)
+                            o[t * F + r] = means[block_of[t] * F + r] + h[t];
+                    } else {
+                        const float *mean = means + block_of[r] * F;
+                        for (int64_t f = 0; f < F; f++) o[r * F + f] = mean[f] + h[f];
                     }
-                    transpose(ht, F, T, h);
-                }
-                for (int64_t t = 0; t < T; t++) {
-                    const float *ht_row = chan ? h + t * F : h;
-                    if (!chan) {
-                        const int64_t map = m * T + t;
-                        dequantize_row(codes + map * geom[T_CODE_BYTES], F, bits,
-                                       bf16_to_float(lo[map]), bf16_to_float(step[map]), q, h);
-                    }
-                    const float *mean = means + block_of[t] * F;
-                    for (int64_t f = 0; f < F; f++) o[t * F + f] = mean[f] + ht_row[f];
                 }
             }
         }
         free(means);
         free(h);
-        free(ht);
         free(q);
     }
     free(block_of);
