@@ -27,9 +27,10 @@
  * Built with -ffp-contract=off and without -ffast-math: every float operation rounds as the
  * reference's torch operations do. Loops are written so that the compiler vectorises them (flat
  * loops over a map) or with GCC/Clang vector types (min/max lanes, 16 codes per quantise, pack,
- * unpack and dequantise step, 8 SplitMix64 draws at a time, 8 token blocks' means in lanes), not
- * with intrinsics: the file builds for any CPU, as scalar code without vector units. Each vector
- * step does per lane the float operations of the scalar code in its order (the same bytes).
+ * unpack and dequantise step, 8 SplitMix64 draws at a time, 8 token blocks' means in lanes, 16
+ * token quant maps in lanes), not with intrinsics: the file builds for any CPU, as scalar code
+ * without vector units. Each vector step does per lane the float operations of the scalar code
+ * in its order (the same bytes).
  */
 #include <float.h>
 #include <math.h>
@@ -778,10 +779,16 @@ void freqact_unpack_mask(int64_t n, const uint8_t *packed, float off, float on, 
  * x - mean (saturated as in encode) is then quantised per token row (stats 0, `tok`: maps of F
  * elements, map index m * T + t) or per feature column (stats 1, `chan`: maps of T = H * W
  * elements, map index m * F + f), the quant view whose element g draws uniform g (noise[g], or
- * SplitMix64 as above). Per sequence, in cache: gather, block sums, residual, (transpose,)
- * quantise + pack; `chan` maps drawing their own noise go 16 at a time down the columns instead
- * (quantize_columns) when F is a multiple of 16. Decode: mean + (q * step + lo) with the quant decode's edge rule, into a
- * float32 (H * W, F) panel per sequence at out + m * out_stride. */
+ * SplitMix64 as above). Per sequence, in cache: gather (a panel that is not contiguous), block
+ * sums, residual, then the quant maps 16 at a time, one per lane (quantize_lanes: `chan` maps
+ * down 16 columns of the residual in place, `tok` maps from a 16-row strip transposed): min/max,
+ * lo/step, SplitMix64 draws and quantise + pack in registers, nothing per map reduced across
+ * lanes and no uniforms stored; the maps left over (maps % 16) and every map of a call with
+ * given noise one by one as in the map kernels (quantize_map). Decode: mean + (q * step + lo)
+ * with the quant decode's edge rule, into a float32 (H * W, F) panel per sequence at
+ * out + m * out_stride: `chan` maps 16 columns at a time straight from their code words into
+ * the panel (dequantize_columns), the rest map by map; no transpose and no separate mean pass.
+ * At most one OpenMP thread per sequence. */
 
 enum { T_M, T_H, T_W, T_F, T_BH, T_BW, T_BF, T_NBH, T_NBW, T_NBF, T_LH, T_LW, T_LF, T_STATS,
        T_CODE_BYTES, T_SM, T_SH, T_SW, T_SF, T_OUT_STRIDE, T_LEN };
