@@ -1161,16 +1161,28 @@ static inline void store_word(uint32_t w, uint8_t *out, int64_t n) {
     for (int64_t b = 0; b < n; b++) out[b] = (uint8_t)(w >> (8 * b));
 }
 
+/* Where the high 32 bits of a 64-bit lane sit when the lane is viewed as two 32-bit lanes. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+#define HI32 0
+#else
+#define HI32 1
+#endif
+
 /* The uniforms of 16 draws r (two halves of 8 lanes) from bits 40-63 (hi) or 16-39: the 32-bit
  * halves that hold them picked by one two-source permute (vpermt2d), 24 bits per lane scaled to
  * [0, 1) by 2^-24 (exact, as the scalar conversion). */
 static inline f32x16 draw_uniforms(const u64x8 r[2], int hi) {
     const u64x8 a = hi ? r[0] : r[0] >> 16, b = hi ? r[1] : r[1] >> 16;
     const u32x16 a32 = (u32x16)a, b32 = (u32x16)b;
-    u32x16 bits = hi ? __builtin_shufflevector(a32, b32, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21,
-                                               23, 25, 27, 29, 31) >> 8
-                     : __builtin_shufflevector(a32, b32, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20,
-                                               22, 24, 26, 28, 30) & 0xFFFFFF;
+    u32x16 bits = hi ? __builtin_shufflevector(a32, b32, HI32, 2 + HI32, 4 + HI32, 6 + HI32,
+                                               8 + HI32, 10 + HI32, 12 + HI32, 14 + HI32,
+                                               16 + HI32, 18 + HI32, 20 + HI32, 22 + HI32,
+                                               24 + HI32, 26 + HI32, 28 + HI32, 30 + HI32) >> 8
+                     : __builtin_shufflevector(a32, b32, 1 - HI32, 3 - HI32, 5 - HI32, 7 - HI32,
+                                               9 - HI32, 11 - HI32, 13 - HI32, 15 - HI32,
+                                               17 - HI32, 19 - HI32, 21 - HI32, 23 - HI32,
+                                               25 - HI32, 27 - HI32, 29 - HI32, 31 - HI32)
+                           & 0xFFFFFF;
     return __builtin_convertvector((i32x16)bits, f32x16) * splat16(0x1p-24f);
 }
 
@@ -1367,10 +1379,10 @@ static inline uint32_t load_word(const uint8_t *p, int64_t n) {
  * and `fix`. */
 static inline __attribute__((always_inline)) i32x16 decode_word(
         const int64_t *g, int64_t w0, int64_t c, u32x16 word, f32x16 lo_f, f32x16 step_f,
-        const float *means, const int32_t *block_of, float *o, const int bits, const int fix) {
+        const float *means, const int64_t *block_of, float *o, const int bits, const int fix) {
     const int64_t T = g[T_H] * g[T_W], F = g[T_F];
     const int per_word = 32 / bits;
-    i32x16 finite = finite16(lo_f) | ~finite16(lo_f); /* all true */
+    i32x16 finite = ~(i32x16){0};
 #pragma GCC unroll 32
     for (int k = 0; k < per_word; k++) {
         const int64_t t = w0 + k;
@@ -1397,7 +1409,7 @@ static inline __attribute__((always_inline)) i32x16 decode_word(
  * per block row), block_of: each token's block row. always_inline with a constant `bits`. */
 static inline __attribute__((always_inline)) void dequantize_columns_fixed(
         const int64_t *g, int64_t m, int64_t c, const uint16_t *lo, const uint16_t *step,
-        const uint8_t *codes, const float *means, const int32_t *block_of, float *o,
+        const uint8_t *codes, const float *means, const int64_t *block_of, float *o,
         const int bits) {
     const int64_t T = g[T_H] * g[T_W], F = g[T_F], cb = g[T_CODE_BYTES], map0 = m * F + c;
     u16x16 lo16, step16;
@@ -1421,7 +1433,7 @@ static inline __attribute__((always_inline)) void dequantize_columns_fixed(
 
 static void dequantize_columns(const int64_t *g, int64_t m, int64_t c, int bits,
                                const uint16_t *lo, const uint16_t *step, const uint8_t *codes,
-                               const float *means, const int32_t *block_of, float *o) {
+                               const float *means, const int64_t *block_of, float *o) {
 #define DECODE_AT(b) dequantize_columns_fixed(g, m, c, lo, step, codes, means, block_of, o, b)
     switch (bits) {
         case 1: DECODE_AT(1); break;
@@ -1445,10 +1457,9 @@ int freqact_token_decode(const int64_t *geom, int bits, const uint16_t *lfc, con
     const int chan = geom[T_STATS] == 1;
     const int64_t maps = chan ? F : T, n = chan ? T : F;
     const int64_t lanes = chan ? F - F % 16 : 0; /* maps decoded in lanes */
-    int32_t *block_of = malloc((size_t)T * sizeof(int32_t));
+    int64_t *block_of = malloc((size_t)T * sizeof(int64_t));
     if (!block_of) return -1;
-    for (int64_t t = 0; t < T; t++)
-        block_of[t] = (int32_t)(t / W / geom[T_BH] * nbw + t % W / geom[T_BW]);
+    for (int64_t t = 0; t < T; t++) block_of[t] = t / W / geom[T_BH] * nbw + t % W / geom[T_BW];
     int failed = 0;
 #pragma omp parallel num_threads(team(M, threads)) reduction(| : failed)
     {
