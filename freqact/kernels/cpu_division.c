@@ -793,6 +793,16 @@ void freqact_unpack_mask(int64_t n, const uint8_t *packed, float off, float on, 
 enum { T_M, T_H, T_W, T_F, T_BH, T_BW, T_BF, T_NBH, T_NBW, T_NBF, T_LH, T_LW, T_LF, T_STATS,
        T_CODE_BYTES, T_SM, T_SH, T_SW, T_SF, T_OUT_STRIDE, T_LEN };
 
+/* CALL(b) with b the constant equal to bits (1, 2, 4, else 8), so that an always_inline kernel
+ * called there unrolls and vectorises for that width. */
+#define AT_CONSTANT_BITS(bits, CALL)  \
+    switch (bits) {                   \
+        case 1: CALL(1); break;       \
+        case 2: CALL(2); break;       \
+        case 4: CALL(4); break;       \
+        default: CALL(8);             \
+    }
+
 /* The OpenMP team for M sequences: no more threads than sequences (an idle thread's wake-up
  * and join cost a small call more than its share), at least one. */
 static inline int team(int64_t M, int threads) {
@@ -1267,12 +1277,7 @@ static void quantize_lanes(int64_t map0, int64_t n, int64_t cb, int bits, const 
 #define LANES_AT(b)                                                                            \
     (n % 2 ? quantize_lanes_fixed(map0, n, cb, p, stride, seed, lo, step, codes, b, 1)         \
            : quantize_lanes_fixed(map0, n, cb, p, stride, seed, lo, step, codes, b, 0))
-    switch (bits) {
-        case 1: LANES_AT(1); break;
-        case 2: LANES_AT(2); break;
-        case 4: LANES_AT(4); break;
-        default: LANES_AT(8);
-    }
+    AT_CONSTANT_BITS(bits, LANES_AT);
 #undef LANES_AT
 }
 
@@ -1435,12 +1440,7 @@ static void dequantize_columns(const int64_t *g, int64_t m, int64_t c, int bits,
                                const uint16_t *lo, const uint16_t *step, const uint8_t *codes,
                                const float *means, const int64_t *block_of, float *o) {
 #define DECODE_AT(b) dequantize_columns_fixed(g, m, c, lo, step, codes, means, block_of, o, b)
-    switch (bits) {
-        case 1: DECODE_AT(1); break;
-        case 2: DECODE_AT(2); break;
-        case 4: DECODE_AT(4); break;
-        default: DECODE_AT(8);
-    }
+    AT_CONSTANT_BITS(bits, DECODE_AT);
 #undef DECODE_AT
 }
 
