@@ -27,9 +27,10 @@
  * Built with -ffp-contract=off and without -ffast-math: every float operation rounds as the
  * reference's torch operations do. Loops are written so that the compiler vectorises them (flat
  * loops over a map) or with GCC/Clang vector types (min/max lanes, 16 codes per quantise, pack,
- * unpack and dequantise step, 8 SplitMix64 draws at a time, 8 token blocks' means in lanes), not
- * with intrinsics: the file builds for any CPU, as scalar code without vector units. Each vector
- * step does per lane the float operations of the scalar code in its order (the same bytes).
+ * unpack and dequantise step, 8 SplitMix64 draws at a time, 8 token blocks' means in lanes, 16
+ * token quant maps in lanes), not with intrinsics: the file builds for any CPU, as scalar code
+ * without vector units. Each vector step does per lane the float operations of the scalar code
+ * in its order (the same bytes).
  */
 #include <float.h>
 #include <math.h>
@@ -778,13 +779,35 @@ void freqact_unpack_mask(int64_t n, const uint8_t *packed, float off, float on, 
  * x - mean (saturated as in encode) is then quantised per token row (stats 0, `tok`: maps of F
  * elements, map index m * T + t) or per feature column (stats 1, `chan`: maps of T = H * W
  * elements, map index m * F + f), the quant view whose element g draws uniform g (noise[g], or
- * SplitMix64 as above). Per sequence, in cache: gather, block sums, residual, (transpose,)
- * quantise + pack; `chan` maps drawing their own noise go 16 at a time down the columns instead
- * (quantize_columns) when F is a multiple of 16. Decode: mean + (q * step + lo) with the quant decode's edge rule, into a
- * float32 (H * W, F) panel per sequence at out + m * out_stride. */
+ * SplitMix64 as above). Per sequence, in cache: gather (a panel that is not contiguous), block
+ * sums, residual, then the quant maps 16 at a time, one per lane (quantize_lanes: `chan` maps
+ * down 16 columns of the residual in place, `tok` maps from a 16-row strip transposed): min/max,
+ * lo/step, SplitMix64 draws and quantise + pack in registers, nothing per map reduced across
+ * lanes and no uniforms stored; the maps left over (maps % 16) and every map of a call with
+ * given noise one by one as in the map kernels (quantize_map). Decode: mean + (q * step + lo)
+ * with the quant decode's edge rule, into a float32 (H * W, F) panel per sequence at
+ * out + m * out_stride: `chan` maps 16 columns at a time straight from their code words into
+ * the panel (dequantize_columns), the rest map by map; no transpose and no separate mean pass.
+ * At most one OpenMP thread per sequence. */
 
 enum { T_M, T_H, T_W, T_F, T_BH, T_BW, T_BF, T_NBH, T_NBW, T_NBF, T_LH, T_LW, T_LF, T_STATS,
        T_CODE_BYTES, T_SM, T_SH, T_SW, T_SF, T_OUT_STRIDE, T_LEN };
+
+/* CALL(b) with b the constant equal to bits (1, 2, 4, else 8), so that an always_inline kernel
+ * called there unrolls and vectorises for that width. */
+#define AT_CONSTANT_BITS(bits, CALL)  \
+    switch (bits) {                   \
+        case 1: CALL(1); break;       \
+        case 2: CALL(2); break;       \
+        case 4: CALL(4); break;       \
+        default: CALL(8);             \
+    }
+
+/* The OpenMP team for M sequences: no more threads than sequences (an idle thread's wake-up
+ * and join cost a small call more than its share), at least one. */
+static inline int team(int64_t M, int threads) {
+    return M < threads ? (M > 0 ? (int)M : 1) : threads;
+}
 
 /* p[(h * W + w) * F + f] = x[h * sh + w * sw + f * sf] for one sequence. */
 static void gather_panel(const int64_t *g, const float *x, float *p) {
@@ -829,14 +852,15 @@ static inline void transpose8(const float *src, int64_t ss, float *dst, int64_t 
     for (int k = 0; k < 8; k++) memcpy(dst + k * ds, &c[k], sizeof c[k]);
 }
 
-/* dst (cols, rows) = src (rows, cols) transposed: 8 x 8 tiles in registers, the edges by
- * element. */
-static void transpose(const float *src, int64_t rows, int64_t cols, float *dst) {
+/* dst (cols, rows) = src (rows, cols; rows `stride` floats apart) transposed: 8 x 8 tiles in
+ * registers, the edges by element. */
+static void transpose(const float *src, int64_t rows, int64_t cols, int64_t stride, float *dst) {
     const int64_t rows8 = rows - rows % 8, cols8 = cols - cols % 8;
     for (int64_t r = 0; r < rows8; r += 8)
-        for (int64_t c = 0; c < cols8; c += 8) transpose8(src + r * cols + c, cols, dst + c * rows + r, rows);
+        for (int64_t c = 0; c < cols8; c += 8)
+            transpose8(src + r * stride + c, stride, dst + c * rows + r, rows);
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = r < rows8 ? cols8 : 0; c < cols; c++) dst[c * rows + r] = src[r * cols + c];
+        for (int64_t c = r < rows8 ? cols8 : 0; c < cols; c++) dst[c * rows + r] = src[r * stride + c];
 }
 
 /* The block rows of a panel: blocks (i, j, .) cover tokens h in [h0, h1), w in [w0, w1). */
@@ -992,6 +1016,40 @@ static void row_means(const int64_t *g, const float *src, block_row r, const flo
     }
 }
 
+/* acc[f] for the `vecs` vectors of 16 features at f: 0 + x[f] of the tokens of block row r in
+ * order (h, w), in registers. always_inline with a constant `vecs`. */
+static inline __attribute__((always_inline)) void sum_vectors(const int64_t *g, const float *src,
+                                                              block_row r, int64_t f,
+                                                              float *acc, const int vecs) {
+    const int64_t W = g[T_W], F = g[T_F];
+    f32x16 sum[4] = {{0}}, v;
+    for (int64_t h = r.h0; h < r.h1; h++)
+        for (int64_t w = r.w0; w < r.w1; w++) {
+            const float *x = src + (h * W + w) * F + f;
+            for (int k = 0; k < vecs; k++) {
+                memcpy(&v, x + 16 * k, sizeof v);
+                sum[k] += v;
+            }
+        }
+    for (int k = 0; k < vecs; k++) memcpy(acc + f + 16 * k, &sum[k], sizeof sum[k]);
+}
+
+/* acc[f] = 0 + x[f] of the tokens of block row r in order (h, w): 64 features at a time in four
+ * registers (independent additions: one running sum waits on its previous add), then 16, then
+ * one by one. Added into acc in memory, each token cost a load and a store more per vector. */
+static void block_row_sums(const int64_t *g, const float *src, block_row r, float *acc) {
+    const int64_t W = g[T_W], F = g[T_F];
+    int64_t f = 0;
+    for (; f + 64 <= F; f += 64) sum_vectors(g, src, r, f, acc, 4);
+    for (; f + 16 <= F; f += 16) sum_vectors(g, src, r, f, acc, 1);
+    for (; f < F; f++) {
+        float sum = 0.0f;
+        for (int64_t h = r.h0; h < r.h1; h++)
+            for (int64_t w = r.w0; w < r.w1; w++) sum += src[(h * W + w) * F + f];
+        acc[f] = sum;
+    }
+}
+
 /* Block means of the panel src ((H * W, F), contiguous) into lfc and its residual into p (which
  * may be src). acc, row: scratch of F floats. */
 static void panel_residual(const int64_t *g, const float *src, float *p, uint16_t *lfc,
@@ -1006,14 +1064,7 @@ static void panel_residual(const int64_t *g, const float *src, float *p, uint16_
             const float tokens = (float)((r.h1 - r.h0) * (r.w1 - r.w0));
             /* acc[f] = the block row's sum over its tokens (the token itself for one token) */
             const float *sums = tokens == 1.0f ? src + (r.h0 * W + r.w0) * F : acc;
-            if (sums == acc) {
-                for (int64_t f = 0; f < F; f++) acc[f] = 0.0f;
-                for (int64_t h = r.h0; h < r.h1; h++)
-                    for (int64_t w = r.w0; w < r.w1; w++) {
-                        const float *x = src + (h * W + w) * F;
-                        for (int64_t f = 0; f < F; f++) acc[f] += x[f];
-                    }
-            }
+            if (sums == acc) block_row_sums(g, src, r, acc);
             if (r.h0 * W + r.w0 >= done) row_means(g, src, r, sums, tokens, lfc);
             mean_row(g, lfc, r, row);
             for (int64_t h = r.h0; h < r.h1; h++)
@@ -1022,14 +1073,32 @@ static void panel_residual(const int64_t *g, const float *src, float *p, uint16_
         }
 }
 
-/* --- chan maps 16 at a time: one map (a feature column of the panel) per lane --------------
+/* --- quant maps 16 at a time: one map per lane ----------------------------------------------
  *
- * For `chan` stats without given noise and F a multiple of 16, the maps are read down the
- * columns of the residual panel, 16 of them in lanes: no transpose and no per-map reductions.
- * Per lane these are quantize_map's float operations in its order (the same bytes): min/max in
- * 8 phase accumulators (token t of the first T - T % 8 in phase t % 8) reduced as first_extreme
- * reduces its lanes, then the tail tokens in order; the uniforms are those of the map's elements
- * in the stream, drawn per lane. */
+ * Without given noise, the quant maps of a panel go 16 at a time in lanes: `chan` maps read
+ * down 16 columns of the residual panel in place, `tok` maps (token rows) from a 16-row strip
+ * transposed to 16 columns; the rest (maps % 16) one by one by quantize_map. No per-map
+ * reductions and no uniforms written to memory. Per lane these are quantize_map's float
+ * operations in its order (the same bytes): min/max in 8 phase accumulators (element e of the
+ * first n - n % 8 in phase e % 8) reduced as first_extreme reduces its lanes, then the tail
+ * elements in order; the uniforms are those of the map's elements in the stream, drawn per
+ * lane. */
+
+/* Lane-wise a < b ? a : b and a > b ? a : b: written per lane so that the compiler sees the
+ * comparison and emits one vminps/vmaxps (exactly this, NaN and -0/+0 included) where a select
+ * on a mask costs a compare and a blend. For running minima/maxima only: against a constant
+ * vector GCC 12 leaves such a lane loop scalar. */
+static inline f32x16 less16(f32x16 a, f32x16 b) {
+    f32x16 r;
+    for (int l = 0; l < 16; l++) r[l] = a[l] < b[l] ? a[l] : b[l];
+    return r;
+}
+
+static inline f32x16 greater16(f32x16 a, f32x16 b) {
+    f32x16 r;
+    for (int l = 0; l < 16; l++) r[l] = a[l] > b[l] ? a[l] : b[l];
+    return r;
+}
 
 /* Lane-wise `mask ? a : b` on 16 bf16 bit patterns in int32 lanes */
 static inline i32x16 pick16(i32x16 mask, i32x16 a, i32x16 b) { return (mask & a) | (~mask & b); }
@@ -1055,7 +1124,7 @@ static inline f32x16 bf16_to_float16(i32x16 b) {
 /* Combine phases of accumulators pairwise as first_extreme combines lanes: acc[a] keeps its
  * value unless acc[b] is strictly below (above for max). */
 static inline void combine_phases(f32x16 *acc, int a, int b, int max) {
-    acc[a] = select16(max ? acc[b] > acc[a] : acc[b] < acc[a], acc[b], acc[a]);
+    acc[a] = max ? greater16(acc[b], acc[a]) : less16(acc[b], acc[a]);
 }
 
 /* Phases k and k + step of accumulators combined into k for step = 1, 2, 4, as first_extreme
@@ -1068,26 +1137,29 @@ static inline void reduce_phases(f32x16 *mn, f32x16 *mx) {
         }
 }
 
-/* min and max of the 16 columns at c of the residual panel p (T x F), NaN where a column has
- * one, in quantize_map's order. */
-static void column_range(const float *p, int64_t T, int64_t F, int64_t c, f32x16 *mn_out,
-                         f32x16 *mx_out) {
+/* min and max of 16 maps of n elements in lanes (element e of all 16 at p + e * stride), NaN
+ * where a map has one, in quantize_map's order. The 8 phases are unrolled so that their
+ * accumulators stay in registers (indexed by e % 8 they were kept on the stack: a store and a
+ * reload per element). */
+static void lanes_range(const float *p, int64_t n, int64_t stride, f32x16 *mn_out,
+                        f32x16 *mx_out) {
     f32x16 mn[8], mx[8], v;
     i32x16 nan = {0};
     for (int k = 0; k < 8; k++) mn[k] = splat16(INFINITY), mx[k] = splat16(-INFINITY);
-    const int64_t whole = T - T % 8;
-    for (int64_t t = 0; t < whole; t++) {
-        memcpy(&v, p + t * F + c, sizeof v);
-        const int k = (int)(t % 8);
-        mn[k] = select16(v < mn[k], v, mn[k]);
-        mx[k] = select16(v > mx[k], v, mx[k]);
-        nan |= v != v;
-    }
+    const int64_t whole = n - n % 8;
+    for (int64_t t = 0; t < whole; t += 8)
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) {
+            memcpy(&v, p + (t + k) * stride, sizeof v);
+            mn[k] = less16(v, mn[k]);
+            mx[k] = greater16(v, mx[k]);
+            nan |= v != v;
+        }
     reduce_phases(mn, mx);
-    for (int64_t t = whole; t < T; t++) {
-        memcpy(&v, p + t * F + c, sizeof v);
-        mn[0] = select16(v < mn[0], v, mn[0]);
-        mx[0] = select16(v > mx[0], v, mx[0]);
+    for (int64_t t = whole; t < n; t++) {
+        memcpy(&v, p + t * stride, sizeof v);
+        mn[0] = less16(v, mn[0]);
+        mx[0] = greater16(v, mx[0]);
         nan |= v != v;
     }
     *mn_out = select16(nan, splat16(NAN), mn[0]);
@@ -1099,15 +1171,28 @@ static inline void store_word(uint32_t w, uint8_t *out, int64_t n) {
     for (int64_t b = 0; b < n; b++) out[b] = (uint8_t)(w >> (8 * b));
 }
 
-/* Bits 40-63 (hi) or 16-39 of the 16 draws r (two halves of 8 lanes), 24 bits per lane. */
-static inline u32x16 draw_bits(const u64x8 r[2], int hi) {
-    const u32x8 a = __builtin_convertvector(hi ? r[0] >> 40 : (r[0] >> 16) & 0xFFFFFF, u32x8);
-    const u32x8 b = __builtin_convertvector(hi ? r[1] >> 40 : (r[1] >> 16) & 0xFFFFFF, u32x8);
-    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-}
+/* Where the high 32 bits of a 64-bit lane sit when the lane is viewed as two 32-bit lanes. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+#define HI32 0
+#else
+#define HI32 1
+#endif
 
-/* 24 bits per lane scaled to [0, 1) by 2^-24 (exact, as the scalar conversion) */
-static inline f32x16 uniform16(u32x16 bits) {
+/* The uniforms of 16 draws r (two halves of 8 lanes) from bits 40-63 (hi) or 16-39: the 32-bit
+ * halves that hold them picked by one two-source permute (vpermt2d), 24 bits per lane scaled to
+ * [0, 1) by 2^-24 (exact, as the scalar conversion). */
+static inline f32x16 draw_uniforms(const u64x8 r[2], int hi) {
+    const u64x8 a = hi ? r[0] : r[0] >> 16, b = hi ? r[1] : r[1] >> 16;
+    const u32x16 a32 = (u32x16)a, b32 = (u32x16)b;
+    u32x16 bits = hi ? __builtin_shufflevector(a32, b32, HI32, 2 + HI32, 4 + HI32, 6 + HI32,
+                                               8 + HI32, 10 + HI32, 12 + HI32, 14 + HI32,
+                                               16 + HI32, 18 + HI32, 20 + HI32, 22 + HI32,
+                                               24 + HI32, 26 + HI32, 28 + HI32, 30 + HI32) >> 8
+                     : __builtin_shufflevector(a32, b32, 1 - HI32, 3 - HI32, 5 - HI32, 7 - HI32,
+                                               9 - HI32, 11 - HI32, 13 - HI32, 15 - HI32,
+                                               17 - HI32, 19 - HI32, 21 - HI32, 23 - HI32,
+                                               25 - HI32, 27 - HI32, 29 - HI32, 31 - HI32)
+                           & 0xFFFFFF;
     return __builtin_convertvector((i32x16)bits, f32x16) * splat16(0x1p-24f);
 }
 
@@ -1119,12 +1204,14 @@ static inline void next_draw(u64x8 z[2], u64x8 r[2]) {
     }
 }
 
-/* Quantise and pack the 16 chan maps of sequence m at columns c (maps m * F + c + lane). */
-static void quantize_columns(const int64_t *g, int64_t m, int64_t c, int bits, const float *p,
-                             uint64_t seed, uint16_t *lo, uint16_t *step, uint8_t *codes) {
-    const int64_t T = g[T_H] * g[T_W], F = g[T_F], cb = g[T_CODE_BYTES], map0 = m * F + c;
+/* quantize_lanes with a constant `bits` and `odd_maps` (whether a map can start at an odd
+ * element of the stream: n odd), always_inline: the shifts of the packing are constants and a
+ * stream of even maps needs no per-lane choice of draw halves. */
+static inline __attribute__((always_inline)) void quantize_lanes_fixed(
+        int64_t map0, int64_t n, int64_t cb, const float *p, int64_t stride, uint64_t seed,
+        uint16_t *lo, uint16_t *step, uint8_t *codes, const int bits, const int odd_maps) {
     f32x16 mn, mx;
-    column_range(p, T, F, c, &mn, &mx);
+    lanes_range(p, n, stride, &mn, &mx);
     const f32x16 qmax = splat16((float)((1 << bits) - 1)), zero = {0};
     const i32x16 lo_b = bf16_directed16(mn, 0);
     const f32x16 lo_f = bf16_to_float16(lo_b), span = mx - lo_f;
@@ -1137,65 +1224,90 @@ static void quantize_columns(const int64_t *g, int64_t m, int64_t c, int bits, c
     const u16x16 step16 = __builtin_convertvector(step_b, u16x16);
     memcpy(lo + map0, &lo16, sizeof lo16);
     memcpy(step + map0, &step16, sizeof step16);
-    /* map l's element t is element first_l + t of the stream, first_l = (map0 + l) * T: an
-     * even first_l takes tokens t, t + 1 (t even) from one draw (cur), an odd one token t from
-     * cur's low bits and t + 1 from the next draw's high bits */
+    /* map l's element t is element first_l + t of the stream, first_l = (map0 + l) * n: an
+     * even first_l takes elements t, t + 1 (t even) from one draw (cur), an odd one element t
+     * from cur's low bits and t + 1 from the next draw's high bits */
     const u64x8 lanes = {0, 1, 2, 3, 4, 5, 6, 7};
     u64x8 z[2], cur[2], next[2];
-    i32x16 odd;
+    i32x16 odd = {0};
     for (int half = 0; half < 2; half++) {
-        const u64x8 first = ((uint64_t)map0 + 8u * half + lanes) * (uint64_t)T;
+        const u64x8 first = ((uint64_t)map0 + 8u * half + lanes) * (uint64_t)n;
         z[half] = seed + ((first >> 1) + 1u) * GOLDEN_GAMMA;
         for (int l = 0; l < 8; l++) odd[8 * half + l] = -(int32_t)(first[l] & 1u);
     }
     next_draw(z, cur);
-    const int64_t per_word = 32 / bits;
-    u32x16 word = {0};
-    for (int64_t t = 0; t < T; t += 2) {
-        next_draw(z, next);
-        const u32x16 odd_bits = (u32x16)odd;
-        const u32x16 cur_hi = draw_bits(cur, 1), cur_lo = draw_bits(cur, 0);
-        const f32x16 u[2] = {uniform16((odd_bits & cur_lo) | (~odd_bits & cur_hi)),
-                             uniform16((odd_bits & draw_bits(next, 1)) | (~odd_bits & cur_lo))};
-        cur[0] = next[0];
-        cur[1] = next[1];
-        for (int64_t e = t; e < t + 2 && e < T; e++) {
-            f32x16 h;
-            memcpy(&h, p + e * F + c, sizeof h);
-            f32x16 q = u[e - t] + (h - lo_f) / div;
-            q = select16(q > zero, q, zero); /* NaN -> 0 */
-            q = select16(q < qmax, q, qmax);
-            word |= (u32x16)__builtin_convertvector(q, i32x16) << (uint32_t)(e % per_word * bits);
-            if (e % per_word == per_word - 1 || e == T - 1) {
-                const int64_t at = e / per_word * 4, n = cb - at < 4 ? cb - at : 4;
-                for (int l = 0; l < 16; l++) store_word(word[l], codes + (map0 + l) * cb + at, n);
-                word = (u32x16){0};
+    f32x16 cur_hi = draw_uniforms(cur, 1);
+    const int per_word = 32 / bits;
+    for (int64_t w0 = 0; w0 < n; w0 += per_word) {
+        u32x16 word = {0};
+#pragma GCC unroll 16
+        for (int k = 0; k < per_word; k += 2) {
+            if (w0 + k >= n) break;
+            next_draw(z, next);
+            const f32x16 cur_lo = draw_uniforms(cur, 0), next_hi = draw_uniforms(next, 1);
+            const f32x16 u[2] = {odd_maps ? select16(odd, cur_lo, cur_hi) : cur_hi,
+                                 odd_maps ? select16(odd, next_hi, cur_lo) : cur_lo};
+            cur[0] = next[0];
+            cur[1] = next[1];
+            cur_hi = next_hi;
+            for (int e = 0; e < 2 && w0 + k + e < n; e++) {
+                f32x16 h;
+                memcpy(&h, p + (w0 + k + e) * stride, sizeof h);
+                f32x16 q = u[e] + (h - lo_f) / div;
+                q = select16(q > zero, q, zero); /* NaN -> 0 */
+                q = select16(q < qmax, q, qmax);
+                word |= (u32x16)__builtin_convertvector(q, i32x16) << (uint32_t)((k + e) * bits);
             }
+        }
+        const int64_t at = w0 / per_word * 4;
+        uint8_t *out = codes + map0 * cb + at;
+        if (cb - at >= 4) {
+            for (int l = 0; l < 16; l++) store_word(word[l], out + l * cb, 4); /* one store */
+        } else {
+            for (int l = 0; l < 16; l++) store_word(word[l], out + l * cb, cb - at);
         }
     }
 }
 
-/* Quantise the residual panel of sequence m: one map per token row (tok) or per feature column
- * (chan, through the transposed copy ht). u: scratch of T * F + 16 floats (the panel's maps
- * follow each other in the noise stream: their uniforms are drawn in one go). */
+/* Quantise and pack the 16 quant maps map0 + lane of n elements each (element e of all 16 at
+ * p + e * stride; cb code bytes per map). */
+static void quantize_lanes(int64_t map0, int64_t n, int64_t cb, int bits, const float *p,
+                           int64_t stride, uint64_t seed, uint16_t *lo, uint16_t *step,
+                           uint8_t *codes) {
+#define LANES_AT(b)                                                                            \
+    (n % 2 ? quantize_lanes_fixed(map0, n, cb, p, stride, seed, lo, step, codes, b, 1)         \
+           : quantize_lanes_fixed(map0, n, cb, p, stride, seed, lo, step, codes, b, 0))
+    AT_CONSTANT_BITS(bits, LANES_AT);
+#undef LANES_AT
+}
+
+/* Quantise the residual panel p of sequence m: one map per token row (tok) or per feature
+ * column (chan). Without given noise 16 maps at a time in lanes (quantize_lanes; tok rows
+ * through a transposed 16-row strip in ht), the rest one by one (chan: the remaining columns
+ * transposed into ht) with their uniforms drawn in one go (the panel's maps follow each other in
+ * the stream). ht: scratch of T * F floats; u: of T * F + 16. */
 static void quantize_panel(const int64_t *g, int64_t m, int bits, const float *p, float *ht,
                            const float *noise, uint64_t seed, float *u, uint16_t *lo,
                            uint16_t *step, uint8_t *codes) {
-    const int64_t T = g[T_H] * g[T_W], F = g[T_F];
+    const int64_t T = g[T_H] * g[T_W], F = g[T_F], cb = g[T_CODE_BYTES];
     const int chan = g[T_STATS] == 1;
     const int64_t maps = chan ? F : T, n = chan ? T : F;
-    if (chan && !noise && F % 16 == 0) {
-        for (int64_t c = 0; c < F; c += 16) quantize_columns(g, m, c, bits, p, seed, lo, step, codes);
-        return;
+    const int64_t lanes = noise ? 0 : maps - maps % 16; /* maps quantised in lanes */
+    for (int64_t r = 0; r < lanes; r += 16) {
+        if (!chan) transpose(p + r * F, 16, F, F, ht);
+        quantize_lanes(m * maps + r, n, cb, bits, chan ? p + r : ht, chan ? F : 16, seed, lo,
+                       step, codes);
     }
-    if (chan) transpose(p, T, F, ht);
-    const float *h = chan ? ht : p;
-    const float *uniforms = noise ? noise + m * maps * n
-                                  : splitmix_uniforms(seed, (uint64_t)(m * maps * n), maps * n, u);
-    for (int64_t r = 0; r < maps; r++) {
+    if (lanes == maps) return;
+    if (chan) transpose(p + lanes, T, F - lanes, F, ht);
+    const float *h = chan ? ht : p + lanes * F; /* the remaining maps, one after the other */
+    const int64_t first = (m * maps + lanes) * n; /* the first remaining element's stream index */
+    const float *uniforms = noise ? noise + first
+                                  : splitmix_uniforms(seed, (uint64_t)first, (maps - lanes) * n, u);
+    for (int64_t r = lanes; r < maps; r++) {
         const int64_t map = m * maps + r;
-        quantize_map(n, bits, h + r * n, uniforms + r * n, lo + map, step + map,
-                     codes + map * g[T_CODE_BYTES]);
+        quantize_map(n, bits, h + (r - lanes) * n, uniforms + (r - lanes) * n, lo + map,
+                     step + map, codes + map * cb);
     }
 }
 
@@ -1208,18 +1320,17 @@ int freqact_token_encode(const int64_t *geom, int bits, const float *x, const fl
                          uint8_t *codes, int threads) {
     const int64_t M = geom[T_M], T = geom[T_H] * geom[T_W], F = geom[T_F];
     const int64_t nblocks = geom[T_NBH] * geom[T_NBW] * geom[T_NBF];
-    const int chan = geom[T_STATS] == 1;
     const int dense = geom[T_SF] == 1 && (T == 1 || geom[T_SW] == F)
                       && (geom[T_H] == 1 || geom[T_SH] == geom[T_W] * F);
     int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
+#pragma omp parallel num_threads(team(M, threads)) reduction(| : failed)
     {
         float *p = malloc((size_t)(T * F) * sizeof(float));
-        float *ht = chan ? malloc((size_t)(T * F) * sizeof(float)) : NULL;
+        float *ht = malloc((size_t)(T * F) * sizeof(float));
         float *acc = malloc((size_t)F * sizeof(float));
         float *row = malloc((size_t)F * sizeof(float));
         float *u = noise ? NULL : malloc((size_t)(T * F + 16) * sizeof(float));
-        if (!p || (chan && !ht) || !acc || !row || (!noise && !u)) {
+        if (!p || !ht || !acc || !row || (!noise && !u)) {
             failed = 1;
         } else {
 #pragma omp for schedule(dynamic, 1)  /* a descheduled thread holds up no fixed share */
@@ -1240,67 +1351,151 @@ int freqact_token_encode(const int64_t *geom, int bits, const float *x, const fl
     return failed ? -1 : 0;
 }
 
-/* out[i] = q[i] * step + lo for the n codes packed at `codes`, with the quant decode's edge
- * rule: a sum that overflows while q * (step / 4) + lo / 4 is finite becomes that times 4,
- * saturated. q: scratch of n bytes (used on overflow only). */
+/* The quant decode's edge rule for one value h = q * step + lo: where it overflowed while
+ * q * (step / 4) + lo / 4 is finite, that times 4, saturated at +-FLT_MAX; else h. */
+static inline float quarter_rule(float h, float q, float lo_f, float step_f) {
+    const float quarter = q * (step_f * 0.25f) + lo_f * 0.25f;
+    if (isfinite(h) || !isfinite(quarter)) return h;
+    const float v = quarter * 4.0f;
+    return isfinite(v) ? v : (v > 0 ? FLT_MAX : -FLT_MAX);
+}
+
+/* out[i] = q[i] * step + lo for the n codes packed at `codes`, with the edge rule (quarter_rule).
+ * q: scratch of n bytes (used on overflow only). */
 static void dequantize_row(const uint8_t *codes, int64_t n, int bits, float lo_f, float step_f,
                            uint8_t *q, float *out) {
     if (!dequantize_codes(codes, n, bits, lo_f, step_f, 1, out)) return;
     unpack_row(codes, n, q, bits);
-    for (int64_t i = 0; i < n; i++) {
-        const float quarter = (float)q[i] * (step_f * 0.25f) + lo_f * 0.25f;
-        if (isfinite(out[i]) || !isfinite(quarter)) continue;
-        const float v = quarter * 4.0f;
-        out[i] = isfinite(v) ? v : (v > 0 ? FLT_MAX : -FLT_MAX);
+    for (int64_t i = 0; i < n; i++) out[i] = quarter_rule(out[i], (float)q[i], lo_f, step_f);
+}
+
+/* The first n <= 4 bytes at p as a little-endian word (n = 4: one load). */
+static inline uint32_t load_word(const uint8_t *p, int64_t n) {
+    if (n == 4) return le32(p);
+    uint32_t w = 0;
+    for (int64_t b = 0; b < n; b++) w |= (uint32_t)p[b] << (8 * b);
+    return w;
+}
+
+/* Tokens w0 .. w0 + per_word - 1 (those below T) of the 16 chan maps at columns c, their codes
+ * in lanes of `word`: out row t, columns c.. = (mean of t's block row) + (q * step + lo), the
+ * quarter-scale edge rule applied lane by lane with `fix`. Returns the lanes' finiteness of
+ * q * step + lo (all true with `fix`: nothing left to redo). always_inline with constant `bits`
+ * and `fix`. */
+static inline __attribute__((always_inline)) i32x16 decode_word(
+        const int64_t *g, int64_t w0, int64_t c, u32x16 word, f32x16 lo_f, f32x16 step_f,
+        const float *means, const int64_t *block_of, float *o, const int bits, const int fix) {
+    const int64_t T = g[T_H] * g[T_W], F = g[T_F];
+    const int per_word = 32 / bits;
+    i32x16 finite = ~(i32x16){0};
+#pragma GCC unroll 32
+    for (int k = 0; k < per_word; k++) {
+        const int64_t t = w0 + k;
+        if (t >= T) break;
+        const f32x16 q = __builtin_convertvector((i32x16)((word >> (uint32_t)(k * bits))
+                                                          & ((1u << bits) - 1u)), f32x16);
+        f32x16 h = q * step_f + lo_f;
+        if (fix) {
+            for (int l = 0; l < 16; l++) h[l] = quarter_rule(h[l], q[l], lo_f[l], step_f[l]);
+        } else {
+            finite &= finite16(h);
+        }
+        f32x16 mean;
+        memcpy(&mean, means + block_of[t] * F + c, sizeof mean);
+        const f32x16 v = mean + h;
+        memcpy(o + t * F + c, &v, sizeof v);
+    }
+    return finite;
+}
+
+/* The 16 chan maps of sequence m at columns c decoded straight into the output panel o: per
+ * lane a 32-bit word of codes, per token one vector of 16 columns (no row decode, transpose and
+ * mean pass; the same float operations per element). means: the sequence's mean rows (F floats
+ * per block row), block_of: each token's block row. always_inline with a constant `bits`. */
+static inline __attribute__((always_inline)) void dequantize_columns_fixed(
+        const int64_t *g, int64_t m, int64_t c, const uint16_t *lo, const uint16_t *step,
+        const uint8_t *codes, const float *means, const int64_t *block_of, float *o,
+        const int bits) {
+    const int64_t T = g[T_H] * g[T_W], F = g[T_F], cb = g[T_CODE_BYTES], map0 = m * F + c;
+    u16x16 lo16, step16;
+    memcpy(&lo16, lo + map0, sizeof lo16);
+    memcpy(&step16, step + map0, sizeof step16);
+    const f32x16 lo_f = bf16_to_float16(__builtin_convertvector(lo16, i32x16));
+    const f32x16 step_f = bf16_to_float16(__builtin_convertvector(step16, i32x16));
+    const uint8_t *cm = codes + map0 * cb;
+    const int per_word = 32 / bits;
+    for (int64_t w0 = 0; w0 < T; w0 += per_word) {
+        const int64_t at = w0 / per_word * 4, n = cb - at < 4 ? cb - at : 4;
+        u32x16 word;
+        for (int l = 0; l < 16; l++) word[l] = load_word(cm + l * cb + at, n);
+        const i32x16 finite = decode_word(g, w0, c, word, lo_f, step_f, means, block_of, o,
+                                          bits, 0);
+        int all = 1;
+        for (int l = 0; l < 16; l++) all &= finite[l] != 0;
+        if (!all) decode_word(g, w0, c, word, lo_f, step_f, means, block_of, o, bits, 1);
     }
 }
 
+static void dequantize_columns(const int64_t *g, int64_t m, int64_t c, int bits,
+                               const uint16_t *lo, const uint16_t *step, const uint8_t *codes,
+                               const float *means, const int64_t *block_of, float *o) {
+#define DECODE_AT(b) dequantize_columns_fixed(g, m, c, lo, step, codes, means, block_of, o, b)
+    AT_CONSTANT_BITS(bits, DECODE_AT);
+#undef DECODE_AT
+}
+
 /* Inverse of freqact_token_encode into float32 panels (H * W, F), one per sequence at
- * out + m * T_OUT_STRIDE: upsample(lfc) + (q * step + lo). Returns 0, or -1 without memory. */
+ * out + m * T_OUT_STRIDE: upsample(lfc) + (q * step + lo). Per sequence the mean rows of its
+ * block rows first; `chan` maps then go 16 at a time down the columns (dequantize_columns), the
+ * other maps (tok rows, the last F % 16 chan columns) one by one through a row decode, the mean
+ * added as each is written. Returns 0, or -1 without memory. */
 int freqact_token_decode(const int64_t *geom, int bits, const uint16_t *lfc, const uint16_t *lo,
                          const uint16_t *step, const uint8_t *codes, float *out, int threads) {
     const int64_t M = geom[T_M], W = geom[T_W], T = geom[T_H] * W, F = geom[T_F];
-    const int64_t nblocks = geom[T_NBH] * geom[T_NBW] * geom[T_NBF], longest = T > F ? T : F;
+    const int64_t nbw = geom[T_NBW], rows = geom[T_NBH] * nbw, cb = geom[T_CODE_BYTES];
+    const int64_t nblocks = rows * geom[T_NBF];
     const int chan = geom[T_STATS] == 1;
     const int64_t maps = chan ? F : T, n = chan ? T : F;
+    const int64_t lanes = chan ? F - F % 16 : 0; /* maps decoded in lanes */
+    int64_t *block_of = malloc((size_t)T * sizeof(int64_t));
+    if (!block_of) return -1;
+    for (int64_t t = 0; t < T; t++) block_of[t] = t / W / geom[T_BH] * nbw + t % W / geom[T_BW];
     int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
+#pragma omp parallel num_threads(team(M, threads)) reduction(| : failed)
     {
-        float *h = malloc((size_t)(T * F) * sizeof(float));
-        float *ht = chan ? malloc((size_t)(T * F) * sizeof(float)) : NULL;
-        float *row = malloc((size_t)F * sizeof(float));
-        uint8_t *q = malloc((size_t)longest);
-        if (!h || (chan && !ht) || !row || !q) {
+        float *means = malloc((size_t)(rows * F) * sizeof(float));
+        float *h = malloc((size_t)n * sizeof(float)); /* one map's q * step + lo */
+        uint8_t *q = malloc((size_t)n);
+        if (!means || !h || !q) {
             failed = 1;
         } else {
 #pragma omp for schedule(dynamic, 1)  /* a descheduled thread holds up no fixed share */
             for (int64_t m = 0; m < M; m++) {
-                float *hq = chan ? ht : h;
-                for (int64_t r = 0; r < maps; r++) {
-                    const int64_t map = m * maps + r;
-                    dequantize_row(codes + map * geom[T_CODE_BYTES], n, bits,
-                                   bf16_to_float(lo[map]), bf16_to_float(step[map]), q,
-                                   hq + r * n);
-                }
-                if (chan) transpose(ht, F, T, h);
-                float *o = out + m * geom[T_OUT_STRIDE];
                 for (int64_t i = 0; i < geom[T_NBH]; i++)
-                    for (int64_t j = 0; j < geom[T_NBW]; j++) {
-                        const block_row r = block_row_at(geom, i, j);
-                        mean_row(geom, lfc + m * nblocks, r, row);
-                        for (int64_t hh = r.h0; hh < r.h1; hh++)
-                            for (int64_t w = r.w0; w < r.w1; w++) {
-                                const int64_t t = hh * W + w;
-                                for (int64_t f = 0; f < F; f++)
-                                    o[t * F + f] = row[f] + h[t * F + f];
-                            }
+                    for (int64_t j = 0; j < nbw; j++)
+                        mean_row(geom, lfc + m * nblocks, block_row_at(geom, i, j),
+                                 means + (i * nbw + j) * F);
+                float *o = out + m * geom[T_OUT_STRIDE];
+                for (int64_t c = 0; c < lanes; c += 16)
+                    dequantize_columns(geom, m, c, bits, lo, step, codes, means, block_of, o);
+                for (int64_t r = lanes; r < maps; r++) {
+                    const int64_t map = m * maps + r;
+                    dequantize_row(codes + map * cb, n, bits, bf16_to_float(lo[map]),
+                                   bf16_to_float(step[map]), q, h);
+                    if (chan) {
+                        for (int64_t t = 0; t < T; t++)
+                            o[t * F + r] = means[block_of[t] * F + r] + h[t];
+                    } else {
+                        const float *mean = means + block_of[r] * F;
+                        for (int64_t f = 0; f < F; f++) o[r * F + f] = mean[f] + h[f];
                     }
+                }
             }
         }
+        free(means);
         free(h);
-        free(ht);
-        free(row);
         free(q);
     }
+    free(block_of);
     return failed ? -1 : 0;
 }
