@@ -56,8 +56,10 @@ from benchmarks.common import json_from_fresh_process, median_time, print_table,
 from freqact.dct import dct
 
 SHAPES = ((128, 64, 32, 32), (32, 64, 56, 56))
-GOAL = {"target": 2.0, "protocol": "the alone ratio scipy / freqact, median over fresh processes"}
-"""Issue 16: on SHAPES[0] with --threads 2, freqact at least `target` times as fast as scipy."""
+GOAL = {"target": 2.0, "threads": 2, "device": "cpu",
+        "protocol": "the alone ratio scipy / freqact, median over fresh processes"}
+"""Issue 16: on SHAPES[0] with `threads` threads on the CPU, freqact at least `target` times as
+fast as scipy, by `protocol`."""
 
 
 def _matmul_reference(x: torch.Tensor) -> torch.Tensor:
@@ -213,13 +215,18 @@ def run(
     return rows, per_process
 
 
-def goal_check(rows: list[dict], threads: int | None, processes: int) -> dict:
-    """Issue 16's goal on these rows: freqact / scipy on SHAPES[0], decided by the alone ratio."""
+def goal_check(rows: list[dict], device: str, threads: int | None, processes: int) -> dict:
+    """Issue 16's goal on these rows: scipy / freqact on SHAPES[0] by the alone ratio (`GOAL`).
+
+    "met": the ratio reaches the target; "applies": this run has the goal's device and threads
+    (only then does "met" decide the goal).
+    """
     (row,) = (r for r in rows if r["shape"] == list(SHAPES[0]) and r["method"] == "freqact")
-    return {**GOAL, "threads": threads, "processes": processes,
+    return {"goal": GOAL, "device": device, "threads": threads, "processes": processes,
             "speedup": row["alone_speedup_over_scipy"], "range": row["alone_speedup_range"],
             "in_turns": row["speedup_over_scipy"],
-            "met": row["alone_speedup_over_scipy"] >= GOAL["target"]}
+            "met": row["alone_speedup_over_scipy"] >= GOAL["target"],
+            "applies": device == GOAL["device"] and threads == GOAL["threads"]}
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -266,13 +273,14 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows
         ],
     )
-    goal = goal_check(rows, args.threads, args.processes)
+    goal = goal_check(rows, args.device, args.threads, args.processes)
     print(f"alone: median over {args.processes} process(es) of each one's median of "
           f"{args.repeats} calls; turns: median of {args.repeats} rounds in this process")
-    print(f"goal (issue 16): freqact >= {GOAL['target']:g}x scipy on {_key(SHAPES[0])}, decided by "
-          f"{GOAL['protocol']}: {goal['speedup']:.2f}x (processes {goal['range'][0]:.2f}-"
-          f"{goal['range'][1]:.2f}x; in turns {goal['in_turns']:.2f}x), threads {args.threads}: "
-          + ("met" if goal["met"] else "NOT met"))
+    print(f"goal (issue 16): freqact >= {GOAL['target']:g}x scipy on {_key(SHAPES[0])} with "
+          f"--threads {GOAL['threads']}, decided by {GOAL['protocol']}: {goal['speedup']:.2f}x "
+          f"(processes {goal['range'][0]:.2f}-{goal['range'][1]:.2f}x; in turns "
+          f"{goal['in_turns']:.2f}x): " + ("met" if goal["met"] else "NOT met")
+          + ("" if goal["applies"] else " at this run's settings, which are not the goal's"))
     settings = {
         "dtype": "float32",
         "dims": 2,

@@ -56,6 +56,7 @@ def test_rows_hold_both_protocols_and_ratios_of_their_own_medians(tmp_path, monk
     assert goal["speedup"] == pytest.approx(by_method["freqact"]["alone_speedup_over_scipy"])
     assert goal["in_turns"] == pytest.approx(by_method["freqact"]["speedup_over_scipy"])
     assert goal["met"] == (goal["speedup"] >= 2.0) and goal["threads"] == 1
+    assert not goal["applies"]  # the goal is stated for 2 threads
     out = capsys.readouterr().out
     assert "scipy / this alone" in out and "decided by" in out
 
@@ -89,6 +90,15 @@ def test_alone_columns_come_from_fresh_processes_with_their_median_and_range(tmp
     assert document["goal"]["speedup"] == pytest.approx(2.5) and document["goal"]["met"]
     assert document["goal"]["range"] == pytest.approx([1.5, 3.0])
     assert document["goal"]["processes"] == 3
+
+
+def test_the_goal_applies_to_two_threads_on_the_cpu_only():
+    rows = [{"shape": list(dct_bench.SHAPES[0]), "method": "freqact", "alone_speedup_over_scipy": 1.9,
+             "alone_speedup_range": [1.8, 2.1], "speedup_over_scipy": 2.2}]
+    goal = dct_bench.goal_check(rows, "cpu", 2, 5)
+    assert goal["applies"] and not goal["met"] and goal["in_turns"] == 2.2  # the alone ratio decides
+    assert not dct_bench.goal_check(rows, "cpu", None, 5)["applies"]
+    assert not dct_bench.goal_check(rows, "cuda", 2, 5)["applies"]
 
 
 @pytest.mark.parametrize("argv", [["--processes", "0"], ["--repeats", "0"], ["--threads", "0"],
