@@ -261,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(alone_times(shapes, args.device, args.warmup, args.repeats,
                                      args.threads or -1, args.seed)))
         return 0
+    load_before = os.getloadavg()[0]  # with the one at the end (machine info): shared cores?
     rows, per_process = run(args.device, args.warmup, args.repeats, args.threads, args.seed,
                             args.processes)
     print_table(
@@ -281,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(processes {goal['range'][0]:.2f}-{goal['range'][1]:.2f}x; in turns "
           f"{goal['in_turns']:.2f}x): " + ("met" if goal["met"] else "NOT met")
           + ("" if goal["applies"] else " at this run's settings, which are not the goal's"))
+    print(f"load average (1 min) {load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, "
+          f"on {os.cpu_count()} CPUs")
     settings = {
         "dtype": "float32",
         "dims": 2,
@@ -295,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     name = f"dct-{args.device}" + (f"-{args.threads}thread" if args.threads else "")
+    goal["load_average_1m_at_start"] = load_before
     path = write_results(name, {"settings": settings, "goal": goal, "rows": rows,
                                 "alone_per_process_ms": per_process},
                          device=args.device, directory=None if args.out is None else Path(args.out))
