@@ -41,7 +41,7 @@ import json
 import os
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -108,19 +108,20 @@ def _rel_error(result: torch.Tensor, reference: np.ndarray) -> float:
     return float(diff / np.abs(reference).max())
 
 
-def _inputs(shapes, device: str, seed: int):
+def _inputs(shapes: Sequence[Sequence[int]], device: str,
+            seed: int) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
     """(shape, x) per shape, x standard normal float32 from one generator seeded with `seed`."""
     generator = torch.Generator().manual_seed(seed)
     for shape in shapes:
         yield tuple(shape), torch.randn(shape, generator=generator).to(device)
 
 
-def _key(shape) -> str:
+def _key(shape: Sequence[int]) -> str:
     """A shape as the alone measurements' key, e.g. "128x64x32x32"."""
     return "x".join(map(str, shape))
 
 
-def alone_times(shapes, device: str, warmup: int, repeats: int, workers: int,
+def alone_times(shapes: Sequence[Sequence[int]], device: str, warmup: int, repeats: int, workers: int,
                 seed: int = 0) -> dict[str, dict[str, float]]:
     """Each method timed alone on each shape: {shape key: {method: median seconds}}.
 
@@ -135,7 +136,7 @@ def alone_times(shapes, device: str, warmup: int, repeats: int, workers: int,
     return times
 
 
-def _alone_in_fresh_process(shapes, device: str, warmup: int, repeats: int,
+def _alone_in_fresh_process(shapes: Sequence[Sequence[int]], device: str, warmup: int, repeats: int,
                             threads: int | None, seed: int) -> dict[str, dict[str, float]]:
     """`alone_times` in a new interpreter (torch and scipy with `threads` threads)."""
     args = ["--alone-process", *map(_key, shapes), "--device", device, "--warmup", str(warmup),
