@@ -12,9 +12,10 @@ and torch-dct. Two protocols:
   `repeats` calls in a row after `warmup`, as timeit would (scipy then runs with its own data warm
   in the caches, which the turns deny it); each process gives a median per method and its own
   ratio scipy / method, and the table shows the median of those ratios over the processes and
-  their range. A fresh process per measurement keeps one process's state (its heap, where its
-  32 MiB outputs land, what the pages cost then) from deciding the result: in one process the
-  alone ratio of the same code swung from 1.5x to 2.3x between sessions.
+  their range. A fresh process per measurement keeps any one process's state (its heap, its
+  pages) from deciding the result: timed in one process, the alone ratio of the same code swung
+  from 1.5x to 2.3x between sessions. Load on shared cores moves both protocols (the load
+  average at the start and the end of a run is printed and kept).
 
 The goal of issue 16 (freqact >= 2x scipy on the first shape, (128, 64, 32, 32), with
 `--threads 2`) is decided by the alone protocol: the median over the fresh processes of their
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(alone_times(shapes, args.device, args.warmup, args.repeats,
                                      args.threads or -1, args.seed)))
         return 0
-    load_before = os.getloadavg()[0]  # with the one at the end (machine info): shared cores?
+    load_before = os.getloadavg()[0]  # printed with the load at the end, kept in the JSON
     rows, per_process = run(args.device, args.warmup, args.repeats, args.threads, args.seed,
                             args.processes)
     print_table(
