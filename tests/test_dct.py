@@ -477,6 +477,27 @@ def test_outputs_of_8_mib_stream_past_the_cache_with_the_same_bytes():
 
 
 @needs_c
+def test_outputs_populated_in_huge_pages_are_complete_at_any_thread_count():
+    # From 8 MiB on, the team populates the output in 2 MiB chunks shared out dynamically, with no
+    # barrier before the maps (also shared out dynamically): every thread count gives every map,
+    # the same bytes, fresh or into a reused buffer, and so do the corner jobs.
+    x = randn(2048 + 37, 32, 32, dtype=torch.float32, seed=12)  # 8 MiB and a part of a huge page
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want, high = F.dct(x), cpu_dct.highpass(x, 5, 5)
+        for n in (2, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(F.dct(x), want) and torch.equal(cpu_dct.highpass(x, 5, 5), high)
+            reused = torch.full_like(x, float("nan"))
+            assert torch.equal(F.dct(x, out=reused), want)
+    finally:
+        torch.set_num_threads(threads)
+    reference = scipy.fft.dctn(x.double().numpy(), type=2, norm="ortho", axes=(-2, -1))
+    assert rel_error(want, reference) <= 2e-6
+
+
+@needs_c
 @pytest.mark.parametrize("h,w", [(8, 8), (4, 4), (8, 2), (24, 2), (16, 8), (12, 4), (64, 8),  # narrow
                                  (2, 2), (6, 2), (7, 8), (3, 4), (66, 8)])  # rows left over: products
 def test_corner_kernels_on_maps_a_vector_holds_whole_rows_of(h, w):
