@@ -189,25 +189,60 @@ static inline u64x8 splitmix8(u64x8 z) {
     return z ^ (z >> 31);
 }
 
-/* u[i] = the uniform of element first + i, for i < n: two per draw, draw g / 2 giving bits 40-63
- * to even g and bits 16-39 to odd g, each scaled to [0, 1) by 2^-24. 16 uniforms (8 draws) per
- * step from the even element at or before `first`, so u must have room for n + 16 floats: the
- * map's uniforms start at u + (first & 1), which this returns. */
-static const float *splitmix_uniforms(uint64_t seed, uint64_t first, int64_t n, float *u) {
+/* The 16 uniforms of the elements 2k .. 2k + 15 from the states z of draws k .. k + 7 (bits
+ * 40-63 to even elements, 16-39 to odd ones, each scaled to [0, 1) by 2^-24); z advances by 8
+ * draws. */
+static inline f32x16 uniforms16(u64x8 *z) {
+    const u64x8 r = splitmix8(*z);
+    const u32x8 hi = __builtin_convertvector(r >> 40, u32x8);
+    const u32x8 lo = __builtin_convertvector((r >> 16) & 0xFFFFFF, u32x8);
+    const u32x16 bits = __builtin_shufflevector(hi, lo, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6,
+                                                14, 7, 15);
+    *z += 8 * GOLDEN_GAMMA;
+    /* < 2^24: exact as int32 and as float, as the scalar (float)(uint64) conversion */
+    return __builtin_convertvector((i32x16)bits, f32x16) * splat16(0x1p-24f);
+}
+
+/* The states of draws k .. k + 7 for the draw k holding element `first`. */
+static inline u64x8 draw_states(uint64_t seed, uint64_t first) {
     const u64x8 lanes = {1, 2, 3, 4, 5, 6, 7, 8};
-    u64x8 z = seed + ((first >> 1) + lanes) * GOLDEN_GAMMA;
+    return seed + ((first >> 1) + lanes) * GOLDEN_GAMMA;
+}
+
+/* u[i] = the uniform of element first + i, for i < n, 16 per step from the even element at or
+ * before `first`, so u must have room for n + 16 floats: the map's uniforms start at
+ * u + (first & 1), which this returns. */
+static const float *splitmix_uniforms(uint64_t seed, uint64_t first, int64_t n, float *u) {
+    u64x8 z = draw_states(seed, first);
     for (int64_t i = 0; i < n + (int64_t)(first & 1); i += 16) {
-        const u64x8 r = splitmix8(z);
-        const u32x8 hi = __builtin_convertvector(r >> 40, u32x8);
-        const u32x8 lo = __builtin_convertvector((r >> 16) & 0xFFFFFF, u32x8);
-        const u32x16 bits = __builtin_shufflevector(hi, lo, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5,
-                                                    13, 6, 14, 7, 15);
-        /* < 2^24: exact as int32 and as float, as the scalar (float)(uint64) conversion */
-        const f32x16 v = __builtin_convertvector((i32x16)bits, f32x16) * splat16(0x1p-24f);
+        const f32x16 v = uniforms16(&z);
         memcpy(u + i, &v, sizeof v);
-        z += 8 * GOLDEN_GAMMA;
     }
     return u + (first & 1);
+}
+
+/* The noise of one map drawn in registers, 16 uniforms per `next_uniforms` from element `first`
+ * on (no buffer: the encode's maps read theirs once, in the quantise loop). An odd first shifts
+ * each 16 drawn by one element: `carry` holds the 16 drawn before. */
+typedef struct {
+    u64x8 z;
+    f32x16 carry;
+    int odd;
+} noise16;
+
+static inline noise16 noise_at(uint64_t seed, uint64_t first) {
+    noise16 s = {draw_states(seed, first), {0}, (int)(first & 1)};
+    if (s.odd) s.carry = uniforms16(&s.z);
+    return s;
+}
+
+static inline f32x16 next_uniforms(noise16 *s) {
+    const f32x16 v = uniforms16(&s->z);
+    if (!s->odd) return v;
+    const f32x16 shifted = __builtin_shufflevector(s->carry, v, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                   11, 12, 13, 14, 15, 16);
+    s->carry = v;
+    return shifted;
 }
 
 /* --- encode: block means and residual ----------------------------------------------------- */
@@ -228,52 +263,6 @@ static float scaled_block_mean(const geometry *g, const float *x, const int64_t 
     return s / count / 0x1p-64f;
 }
 
-/* Block means of map x into lfc (bf16) and means (their float values); colsum: scratch of W
- * floats. Per block row, the column sums of its rows are kept in registers 8 columns at a time,
- * then each block adds its columns. */
-static void block_means(const geometry *g, const float *x, float *colsum, uint16_t *lfc,
-                        float *means) {
-    const int64_t H = g->size[1], W = g->size[2];
-    for (int64_t db = 0; db < g->nb[0]; db++) {
-        const int64_t d0 = db * g->blk[0], d1 = d0 + g->blk[0] < g->size[0] ? d0 + g->blk[0]
-                                                                             : g->size[0];
-        for (int64_t hb = 0; hb < g->nb[1]; hb++) {
-            const int64_t h0 = hb * g->blk[1], h1 = h0 + g->blk[1] < H ? h0 + g->blk[1] : H;
-            int64_t w = 0;
-            for (; w + 8 <= W; w += 8) {
-                f32x8 acc = {0};
-                for (int64_t d = d0; d < d1; d++) {
-                    for (int64_t h = h0; h < h1; h++) {
-                        f32x8 v;
-                        memcpy(&v, x + (d * H + h) * W + w, sizeof v);
-                        acc += v;
-                    }
-                }
-                memcpy(colsum + w, &acc, sizeof acc);
-            }
-            for (; w < W; w++) {
-                float acc = 0.0f;
-                for (int64_t d = d0; d < d1; d++)
-                    for (int64_t h = h0; h < h1; h++) acc += x[(d * H + h) * W + w];
-                colsum[w] = acc;
-            }
-            for (int64_t j = 0; j < g->nb[2]; j++) {
-                const int64_t w0 = j * g->blk[2], w1 = w0 + g->blk[2] < W ? w0 + g->blk[2] : W;
-                float sum = 0.0f;
-                for (int64_t c = w0; c < w1; c++) sum += colsum[c];
-                const int64_t b = (db * g->nb[1] + hb) * g->nb[2] + j;
-                float mean = sum / g->counts[b];
-                if (!isfinite(sum)) {
-                    const int64_t lo[3] = {d0, h0, w0}, hi[3] = {d1, h1, w1};
-                    mean = scaled_block_mean(g, x, lo, hi, sum, g->counts[b]);
-                }
-                lfc[b] = bf16_nearest(mean);
-                means[b] = bf16_to_float(lfc[b]);
-            }
-        }
-    }
-}
-
 /* out[i] = x[i] - m[i], saturated at +-FLT_MAX where that overflows for a finite x (the edge
  * rule; written as selects so that it vectorises). out may be x. */
 static void residual_row(const float *x, const float *m, int64_t n, float *out) {
@@ -284,30 +273,76 @@ static void residual_row(const float *x, const float *m, int64_t n, float *out) 
     }
 }
 
-/* out[i] = x[i] + (value of i's block) (decode's base), or with `subtract` the encode's residual
- * x[i] - value, saturated (residual_row; x + (-v) before, the same value and bytes: only a NaN's
- * sign bit can differ, and a NaN residual becomes code 0 and a NaN min/max either way): a flat
- * loop when the map is one block, else per row against that row's block values spread over its
- * W columns (rebuilt when the block row changes; row: scratch of W). */
-static void add_block_values(const geometry *g, const float *x, const float *values, int subtract,
-                             float *row, float *out) {
+/* row[w] = the value of w's block for the W columns of a row, from its block row's nb[2]
+ * values v. */
+static void spread_row(const geometry *g, const float *v, float *row) {
+    for (int64_t j = 0, w = 0; j < g->nb[2]; j++)
+        for (int64_t k = 0; k < g->blk[2] && w < g->size[2]; k++, w++) row[w] = v[j];
+}
+
+/* Block means of map x into lfc (bf16) and its residual x - float(lfc), saturated (residual_row),
+ * into h, one block row at a time while its rows are in L1: the rows are read in memory order
+ * (a cold map streams in) and added column-wise into colsum (colsum[w] = 0 + x[row 0][w] +
+ * x[row 1][w] + ...), then each block adds its columns in order (0 + colsum[w0] + ...).
+ * colsum, row: scratch of W floats; means: of nb[2]. */
+static void block_residual(const geometry *g, const float *x, float *colsum, float *row,
+                           float *means, uint16_t *lfc, float *h) {
+    const int64_t H = g->size[1], W = g->size[2], bw = g->blk[2], nbw = g->nb[2];
+    for (int64_t db = 0; db < g->nb[0]; db++) {
+        const int64_t d0 = db * g->blk[0], d1 = d0 + g->blk[0] < g->size[0] ? d0 + g->blk[0]
+                                                                             : g->size[0];
+        for (int64_t hb = 0; hb < g->nb[1]; hb++) {
+            const int64_t h0 = hb * g->blk[1], h1 = h0 + g->blk[1] < H ? h0 + g->blk[1] : H;
+            for (int64_t w = 0; w < W; w++) colsum[w] = 0.0f;
+            for (int64_t d = d0; d < d1; d++)
+                for (int64_t r = d * H + h0; r < d * H + h1; r++) {
+                    const float *xr = x + r * W;
+                    for (int64_t w = 0; w < W; w++) colsum[w] += xr[w];
+                }
+            const int64_t first = (db * g->nb[1] + hb) * nbw;
+            for (int64_t j = 0; j < nbw; j++) {
+                const int64_t b = first + j, w0 = j * bw, w1 = w0 + bw < W ? w0 + bw : W;
+                float sum = 0.0f;
+                for (int64_t c = w0; c < w1; c++) sum += colsum[c];
+                float mean = sum / g->counts[b];
+                if (!isfinite(sum)) {
+                    const int64_t lo[3] = {d0, h0, w0}, hi[3] = {d1, h1, w1};
+                    mean = scaled_block_mean(g, x, lo, hi, sum, g->counts[b]);
+                }
+                lfc[b] = bf16_nearest(mean);
+                means[j] = bf16_to_float(lfc[b]);
+            }
+            spread_row(g, means, row);
+            for (int64_t d = d0; d < d1; d++)
+                for (int64_t r = d * H + h0; r < d * H + h1; r++)
+                    residual_row(x + r * W, row, W, h + r * W);
+        }
+    }
+}
+
+/* out[i] = x[i] + (value of i's block) (decode's base), per row against its block row's values
+ * spread over its W columns (rebuilt when the block row changes; row: scratch of W). out may be
+ * x. Returns whether a value of out is not finite. */
+static int add_block_values(const geometry *g, const float *x, const float *values, float *row,
+                            float *out) {
     const int64_t W = g->size[2], rows = g->size[0] * g->size[1];
     int64_t current = -1;
+    int32_t bad = 0;
     for (int64_t r = 0; r < rows; r++) {
-        if (g->nblocks == 1) {
-            if (current < 0)
-                for (int64_t w = 0; w < W; w++) row[w] = values[0];
-        } else if (g->row_blocks[r] != current) {
-            const float *v = values + g->row_blocks[r] * g->nb[2];
-            for (int64_t j = 0, w = 0; j < g->nb[2]; j++)
-                for (int64_t k = 0; k < g->blk[2] && w < W; k++, w++) row[w] = v[j];
+        if (g->row_blocks[r] != current) {
+            current = g->row_blocks[r];
+            spread_row(g, values + current * g->nb[2], row);
         }
-        current = g->nblocks == 1 ? 0 : g->row_blocks[r];
         const float *xr = x + r * W;
         float *o = out + r * W;
-        if (subtract) residual_row(xr, row, W, o);
-        else for (int64_t w = 0; w < W; w++) o[w] = xr[w] + row[w];
+        for (int64_t w = 0; w < W; w++) {
+            o[w] = xr[w] + row[w];
+            uint32_t u;
+            memcpy(&u, o + w, sizeof u);
+            bad |= (u & 0x7F800000u) == 0x7F800000u; /* not finite: exponent all ones */
+        }
     }
+    return bad;
 }
 
 /* --- packing: code i of a row at bit (i % (8 / bits)) * bits of byte i / (8 / bits) ----------- */
@@ -428,38 +463,60 @@ static inline uint8_t quantize(float h, float u, float lo, float divisor, float 
     return (uint8_t)(int)t; /* t >= 0: truncation is the floor */
 }
 
-/* The codes of h[i] (i < n) packed into `codes`: 16 lanes at a time with the same float
- * operations as `quantize` (so the same codes) and packed in registers (`pack16`), the rest one
- * by one through the byte packing. always_inline with a constant `bits` (quantize_pack). Written
- * with vector types because the compiler leaves the plain loop scalar for the short maps of the
- * token layouts (16 tokens). */
+/* The codes of 16 residuals h with their uniforms u, lane-wise `quantize`. */
+static inline i32x16 quantize16(f32x16 h, f32x16 u, f32x16 vlo, f32x16 vdiv, f32x16 vmax) {
+    const f32x16 zero = {0};
+    f32x16 t = u + (h - vlo) / vdiv;
+    t = select16(t > zero, t, zero); /* NaN -> 0 */
+    t = select16(t < vmax, t, vmax);
+    return __builtin_convertvector(t, i32x16);
+}
+
+/* The codes of h[i] (i < n) packed into `codes`: 16 lanes at a time (`quantize16`, the float
+ * operations of `quantize`, so the same codes) packed in registers (`pack16`), the rest one by
+ * one through the byte packing. The uniforms come from u, or when u is NULL from gen, 16 per
+ * step in registers. ahead: NULL, or the next map's n floats, asked for one cache line per step
+ * (the hardware's stream prefetcher stops at each 4 KiB page, so the first rows of each page, a
+ * whole 32 x 32 map, would otherwise arrive at memory latency in the next map's first pass; here
+ * the loads overlap this loop's arithmetic). always_inline with a constant `bits`
+ * (quantize_pack). Written with vector types because the compiler leaves the plain loop scalar
+ * for the short maps of the token layouts (16 tokens). */
 static inline __attribute__((always_inline)) void quantize_pack_fixed(
-        int64_t n, const float *h, const float *u, float lo, float divisor, float qmax,
-        uint8_t *codes, const int bits) {
-    const f32x16 vlo = splat16(lo), vdiv = splat16(divisor), vmax = splat16(qmax), zero = {0};
+        int64_t n, const float *h, const float *u, noise16 *gen, const float *ahead, float lo,
+        float divisor, float qmax, uint8_t *codes, const int bits) {
+    const f32x16 vlo = splat16(lo), vdiv = splat16(divisor), vmax = splat16(qmax);
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
+        if (ahead) __builtin_prefetch(ahead + i);
         f32x16 hv, uv;
         memcpy(&hv, h + i, sizeof hv);
-        memcpy(&uv, u + i, sizeof uv);
-        f32x16 t = uv + (hv - vlo) / vdiv;
-        t = select16(t > zero, t, zero); /* NaN -> 0 */
-        t = select16(t < vmax, t, vmax);
-        pack16(__builtin_convertvector(t, i32x16), codes + i * bits / 8, bits);
+        if (u) memcpy(&uv, u + i, sizeof uv);
+        else uv = next_uniforms(gen);
+        pack16(quantize16(hv, uv, vlo, vdiv, vmax), codes + i * bits / 8, bits);
     }
     if (i == n) return;
+    float drawn[16];
+    if (!u) {
+        const f32x16 uv = next_uniforms(gen);
+        memcpy(drawn, &uv, sizeof uv);
+    }
+    const float *ut = u ? u + i : drawn;
     uint8_t q[16]; /* 16 codes are whole bytes at every bits: the tail starts on a byte */
-    for (int64_t k = 0; i + k < n; k++) q[k] = quantize(h[i + k], u[i + k], lo, divisor, qmax);
+    for (int64_t k = 0; i + k < n; k++) q[k] = quantize(h[i + k], ut[k], lo, divisor, qmax);
     pack_row(q, n - i, codes + i * bits / 8, bits);
 }
 
-static void quantize_pack(int64_t n, int bits, const float *h, const float *u, float lo,
-                          float divisor, float qmax, uint8_t *codes) {
+/* gen: the map's noise state, or NULL (then u). */
+static void quantize_pack(int64_t n, int bits, const float *h, const float *u, const noise16 *gen,
+                          const float *ahead, float lo, float divisor, float qmax,
+                          uint8_t *codes) {
+    noise16 s = {0}; /* a local copy stays in registers through the loop */
+    if (gen) s = *gen;
     switch (bits) {
-        case 1: quantize_pack_fixed(n, h, u, lo, divisor, qmax, codes, 1); break;
-        case 2: quantize_pack_fixed(n, h, u, lo, divisor, qmax, codes, 2); break;
-        case 4: quantize_pack_fixed(n, h, u, lo, divisor, qmax, codes, 4); break;
-        default: quantize_pack_fixed(n, h, u, lo, divisor, qmax, codes, 8);
+        case 1: quantize_pack_fixed(n, h, u, gen ? &s : NULL, ahead, lo, divisor, qmax, codes, 1); break;
+        case 2: quantize_pack_fixed(n, h, u, gen ? &s : NULL, ahead, lo, divisor, qmax, codes, 2); break;
+        case 4: quantize_pack_fixed(n, h, u, gen ? &s : NULL, ahead, lo, divisor, qmax, codes, 4); break;
+        default: quantize_pack_fixed(n, h, u, gen ? &s : NULL, ahead, lo, divisor, qmax, codes, 8);
     }
 }
 
@@ -476,12 +533,12 @@ static inline float first_extreme(f32x8 v, int max) {
     return (max ? v[1] > v[0] : v[1] < v[0]) ? v[1] : v[0];
 }
 
-/* h: the map's residual (n floats); u: its uniforms. */
-static void quantize_map(int64_t n, int bits, const float *h, const float *u, uint16_t *lo_out,
-                         uint16_t *step_out, uint8_t *codes) {
-    /* 8 lanes of minima/maxima in GCC/Clang vector types (plain scalar code on a CPU without
-     * vectors); NaNs are skipped by the comparisons and counted apart: any NaN makes the map's
-     * min and max NaN, as torch.aminmax does. */
+/* The map's min and max as defined: 8 lanes (element i of the first n - n % 8 in lane i % 8),
+ * each scanned in order, a lane's value replaced only by one strictly below it (above it for
+ * the max), the lanes reduced by first_extreme, then the last n % 8 elements in order; NaNs
+ * skipped by the comparisons and counted apart: any NaN makes min and max NaN, as torch.aminmax
+ * does. Of -0 and +0 this keeps a defined one (lo's and step's sign bits depend on it). */
+static void scan_range(int64_t n, const float *h, float *mn_out, float *mx_out) {
     f32x8 lane_mn, lane_mx;
     i32x8 lane_nan = {0};
     for (int l = 0; l < 8; l++) lane_mn[l] = INFINITY, lane_mx[l] = -INFINITY;
@@ -501,7 +558,63 @@ static void quantize_map(int64_t n, int bits, const float *h, const float *u, ui
         mx = h[i] > mx ? h[i] : mx;
         nan |= h[i] != h[i];
     }
-    if (nan) mn = mx = NAN;
+    *mn_out = nan ? NAN : mn;
+    *mx_out = nan ? NAN : mx;
+}
+
+/* The smallest (largest with `max`) of the 16 lanes, in any order. */
+static inline float lanes_extreme(f32x16 v, int max) {
+    f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    const f32x8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    a = select(max ? b > a : b < a, b, a);
+    float r = a[0];
+    for (int l = 1; l < 8; l++) r = (max ? a[l] > r : a[l] < r) ? a[l] : r;
+    return r;
+}
+
+/* scan_range's result, faster: 16 lanes in two independent chains, reduced in any order. Among
+ * the values that compare equal to the min (max) only -0 and +0 differ in their bits, so the
+ * order matters only when the min or max is zero: such a map (a dead ReLU channel, say) is
+ * rescanned by scan_range. */
+static void map_range(int64_t n, const float *h, float *mn_out, float *mx_out) {
+    f32x16 mn[2] = {splat16(INFINITY), splat16(INFINITY)};
+    f32x16 mx[2] = {splat16(-INFINITY), splat16(-INFINITY)};
+    i32x16 nan = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        f32x16 v;
+        memcpy(&v, h + i, sizeof v);
+        const int k = (int)(i >> 4) & 1;
+        mn[k] = select16(v < mn[k], v, mn[k]);
+        mx[k] = select16(v > mx[k], v, mx[k]);
+        nan |= v != v;
+    }
+    float lo = lanes_extreme(select16(mn[1] < mn[0], mn[1], mn[0]), 0);
+    float hi = lanes_extreme(select16(mx[1] > mx[0], mx[1], mx[0]), 1);
+    int any_nan = 0;
+    for (int l = 0; l < 16; l++) any_nan |= nan[l];
+    for (; i < n; i++) {
+        lo = h[i] < lo ? h[i] : lo;
+        hi = h[i] > hi ? h[i] : hi;
+        any_nan |= h[i] != h[i];
+    }
+    if (any_nan) {
+        *mn_out = *mx_out = NAN;
+    } else if (lo == 0.0f || hi == 0.0f) {
+        scan_range(n, h, mn_out, mx_out);
+    } else {
+        *mn_out = lo;
+        *mx_out = hi;
+    }
+}
+
+/* h: the map's residual (n floats); its uniforms: u, or when u is NULL drawn from gen; ahead:
+ * NULL or the next map's input, prefetched (quantize_pack_fixed). */
+static void quantize_map_with(int64_t n, int bits, const float *h, const float *u,
+                              const noise16 *gen, const float *ahead,
+                              uint16_t *lo_out, uint16_t *step_out, uint8_t *codes) {
+    float mn, mx;
+    map_range(n, h, &mn, &mx);
     const float qmax = (float)((1 << bits) - 1);
     const uint16_t lo = bf16_down(mn);
     const float lo_f = bf16_to_float(lo);
@@ -512,7 +625,13 @@ static void quantize_map(int64_t n, int bits, const float *h, const float *u, ui
     const float step_f = bf16_to_float(step);
     *lo_out = lo;
     *step_out = step;
-    quantize_pack(n, bits, h, u, lo_f, step_f == 0.0f ? 1.0f : step_f, qmax, codes);
+    quantize_pack(n, bits, h, u, gen, ahead, lo_f, step_f == 0.0f ? 1.0f : step_f, qmax, codes);
+}
+
+/* quantize_map_with given uniforms u (the token layouts' maps). */
+static void quantize_map(int64_t n, int bits, const float *h, const float *u, uint16_t *lo_out,
+                         uint16_t *step_out, uint8_t *codes) {
+    quantize_map_with(n, bits, h, u, NULL, NULL, lo_out, step_out, codes);
 }
 
 /* Encode the maps of x (float32, contiguous) described by geom (G_LEN values). lfc: bf16
@@ -524,39 +643,32 @@ int freqact_division_encode(const int64_t *geom, int bits, const float *x, const
                             uint8_t *codes, int threads) {
     geometry g;
     if (make_geometry(&g, geom) != 0) return -1;
-    const int64_t maps = geom[G_MAPS];
+    const int64_t maps = geom[G_MAPS], W = g.size[2];
     const int block = lfc != NULL;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *means = malloc((size_t)g.nblocks * sizeof(float));
-        float *colsum = malloc((size_t)g.size[2] * sizeof(float));
-        float *residual = malloc((size_t)g.numel * sizeof(float));
-        float *row = malloc((size_t)g.size[2] * sizeof(float));
-        /* + 16: splitmix_uniforms writes whole steps from an even element */
-        float *uniforms = noise ? NULL : malloc((size_t)(g.numel + 16) * sizeof(float));
-        if (!means || !colsum || !residual || !row || (!noise && !uniforms)) {
+        /* colsum, row (W each), means (nb[2]) in one allocation; the residual */
+        float *rows = block ? malloc((size_t)(2 * W + g.nb[2]) * sizeof(float)) : NULL;
+        float *residual = block ? malloc((size_t)g.numel * sizeof(float)) : NULL;
+        if (block && (!rows || !residual)) {
             failed = 1;
         } else {
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < maps; m++) {
                 const float *xm = x + m * g.numel;
-                if (block) {
-                    block_means(&g, xm, colsum, lfc + m * g.nblocks, means);
-                    add_block_values(&g, xm, means, 1, row, residual);
-                }
-                const float *u = noise ? noise + m * g.numel
-                                       : splitmix_uniforms(seed, (uint64_t)(m * g.numel),
-                                                           g.numel, uniforms);
-                quantize_map(g.numel, bits, block ? residual : xm, u, lo + m, step + m,
-                             codes + m * g.code_bytes);
+                if (block)
+                    block_residual(&g, xm, rows, rows + W, rows + 2 * W, lfc + m * g.nblocks,
+                                   residual);
+                noise16 gen = noise_at(seed, (uint64_t)(m * g.numel));
+                quantize_map_with(g.numel, bits, block ? residual : xm,
+                                  noise ? noise + m * g.numel : NULL, noise ? NULL : &gen,
+                                  m + 1 < maps ? xm + g.numel : NULL, lo + m, step + m,
+                                  codes + m * g.code_bytes);
             }
         }
-        free(means);
-        free(colsum);
+        free(rows);
         free(residual);
-        free(row);
-        free(uniforms);
     }
     free_geometry(&g);
     return failed ? -1 : 0;
@@ -615,7 +727,7 @@ static void redo_at_quarter_scale(const geometry *g, const uint16_t *lfc, float 
     for (int64_t b = 0; b < g->nblocks; b++)
         base[b] = lfc ? bf16_to_float(lfc[b]) * 0.25f + lo_f * 0.25f : lo_f * 0.25f;
     for (int64_t i = 0; i < g->numel; i++) scaled[i] = (float)q[i] * (step_f * 0.25f);
-    add_block_values(g, scaled, base, 0, row, scaled);
+    add_block_values(g, scaled, base, row, scaled);
     for (int64_t i = 0; i < g->numel; i++) {
         if (isfinite(out[i]) || !isfinite(scaled[i])) continue;
         const float v = scaled[i] * 4.0f;
@@ -652,7 +764,9 @@ static void apply_positive(const uint8_t *positive, int64_t first, int64_t n, fl
 }
 
 /* out = q * step + (float(lfc) + lo) per element, float32 (maps, numel), for the maps that geom
- * describes; lfc NULL: the quant form. A sum that overflows float32 while its quarter-scale sum
+ * describes; lfc NULL: the quant form. A map of one block (and every quant map) is one pass
+ * (dequantize_codes with lo = its base); others dequantize into out, then add their blocks'
+ * bases row by row in L1. A sum that overflows float32 while its quarter-scale sum
  * q * (step / 4) + base / 4 is finite becomes that sum times 4, saturated at +-FLT_MAX (the edge
  * rule of the reference). positive: NULL, or a ReLU output's mask (`apply_positive`, in the
  * same pass). Returns 0, or -1 if scratch memory ran out. */
@@ -666,10 +780,10 @@ int freqact_division_decode(const int64_t *geom, int bits, const uint16_t *lfc,
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float *base = malloc((size_t)g.nblocks * sizeof(float));
-        uint8_t *q = malloc((size_t)g.numel);
-        float *scaled = malloc((size_t)g.numel * sizeof(float));
         float *row = malloc((size_t)g.size[2] * sizeof(float));
-        if (!base || !q || !scaled || !row) {
+        uint8_t *q = malloc((size_t)g.numel); /* q, scaled: the edge rule's scratch */
+        float *scaled = malloc((size_t)g.numel * sizeof(float));
+        if (!base || !row || !q || !scaled) {
             failed = 1;
         } else {
 #pragma omp for schedule(static)
@@ -678,11 +792,14 @@ int freqact_division_decode(const int64_t *geom, int bits, const uint16_t *lfc,
                 for (int64_t b = 0; b < g.nblocks; b++)
                     base[b] = lfc ? bf16_to_float(lfc[m * g.nblocks + b]) + lo_f : lo_f;
                 const uint8_t *cm = codes + m * g.code_bytes;
-                dequantize_codes(cm, g.numel, bits, 0.0f, step_f, 0, scaled);
                 float *o = out + m * g.numel;
-                add_block_values(&g, scaled, base, 0, row, o);
-                int overflow = 0;
-                for (int64_t i = 0; i < g.numel; i++) overflow |= !isfinite(o[i]);
+                int overflow;
+                if (g.nblocks == 1) {
+                    overflow = dequantize_codes(cm, g.numel, bits, base[0], step_f, 1, o);
+                } else {
+                    dequantize_codes(cm, g.numel, bits, 0.0f, step_f, 0, o);
+                    overflow = add_block_values(&g, o, base, row, o);
+                }
                 if (overflow) {
                     unpack_row(cm, g.numel, q, bits);
                     redo_at_quarter_scale(&g, lfc ? lfc + m * g.nblocks : NULL, lo_f, step_f, q,
