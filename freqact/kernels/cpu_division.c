@@ -146,6 +146,8 @@ typedef uint8_t u8x4 __attribute__((vector_size(4)));
 typedef uint8_t u8x2 __attribute__((vector_size(2)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
+typedef uint64_t u64x2 __attribute__((vector_size(16)));
 /* 8 SplitMix64 states at once (vpmullq with AVX-512 DQ) */
 typedef uint64_t u64x8 __attribute__((vector_size(64)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
@@ -276,15 +278,18 @@ static void residual_row(const float *x, const float *m, int64_t n, float *out) 
 /* row[w] = the value of w's block for the W columns of a row, from its block row's nb[2]
  * values v. */
 static void spread_row(const geometry *g, const float *v, float *row) {
-    for (int64_t j = 0, w = 0; j < g->nb[2]; j++)
-        for (int64_t k = 0; k < g->blk[2] && w < g->size[2]; k++, w++) row[w] = v[j];
+    const int64_t W = g->size[2], bw = g->blk[2];
+    for (int64_t j = 0; j < g->nb[2]; j++) {
+        const int64_t w1 = (j + 1) * bw < W ? (j + 1) * bw : W;
+        for (int64_t w = j * bw; w < w1; w++) row[w] = v[j];
+    }
 }
 
 /* Block means of map x into lfc (bf16) and its residual x - float(lfc), saturated (residual_row),
  * into h, one block row at a time while its rows are in L1: the rows are read in memory order
  * (a cold map streams in) and added column-wise into colsum (colsum[w] = 0 + x[row 0][w] +
  * x[row 1][w] + ...), then each block adds its columns in order (0 + colsum[w0] + ...).
- * colsum, row: scratch of W floats; means: of nb[2]. */
+ * colsum: scratch of W floats; row: of blk[1] * W; means: of nb[2]. */
 static void block_residual(const geometry *g, const float *x, float *colsum, float *row,
                            float *means, uint16_t *lfc, float *h) {
     const int64_t H = g->size[1], W = g->size[2], bw = g->blk[2], nbw = g->nb[2];
@@ -312,10 +317,12 @@ static void block_residual(const geometry *g, const float *x, float *colsum, flo
                 lfc[b] = bf16_nearest(mean);
                 means[j] = bf16_to_float(lfc[b]);
             }
+            /* the block row's rows of one d are contiguous: one residual_row call for them
+             * (a 4 x 4 map in one vector step, not four scalar rows) */
             spread_row(g, means, row);
+            for (int64_t r = 1; r < h1 - h0; r++) memcpy(row + r * W, row, (size_t)W * sizeof *row);
             for (int64_t d = d0; d < d1; d++)
-                for (int64_t r = d * H + h0; r < d * H + h1; r++)
-                    residual_row(x + r * W, row, W, h + r * W);
+                residual_row(x + (d * H + h0) * W, row, (h1 - h0) * W, h + (d * H + h0) * W);
         }
     }
 }
@@ -397,35 +404,34 @@ static void unpack_row(const uint8_t *packed, int64_t count, uint8_t *q, int bit
 }
 
 /* 16 codes (< 2^bits, one per lane) packed into their 2 * bits bytes at out: each lane shifted to
- * its place in its byte, then adjacent lanes OR-ed until one lane per byte is left.
- * always_inline with a constant `bits`. */
+ * its place in its byte and narrowed to a byte, then the 8 / bits bytes of each packed byte OR-ed
+ * within the word that holds them (the OR of all of a word's bytes: the same on any byte order),
+ * its low byte kept. A lane shuffle tree did this on the vector permute port that the noise and
+ * the division also need. always_inline with a constant `bits`. */
 static inline __attribute__((always_inline)) void pack16(i32x16 c, uint8_t *out, const int bits) {
-    if (bits == 8) {
-        const u8x16 b = __builtin_convertvector(c, u8x16);
-        memcpy(out, &b, sizeof b);
-        return;
-    }
     const int per_byte = 8 / bits;
     i32x16 shift;
     for (int l = 0; l < 16; l++) shift[l] = (l % per_byte) * bits;
-    c <<= shift;
-    const i32x8 c8 = __builtin_shufflevector(c, c, 0, 2, 4, 6, 8, 10, 12, 14)
-                     | __builtin_shufflevector(c, c, 1, 3, 5, 7, 9, 11, 13, 15);
-    if (bits == 4) {
-        const u8x8 b = __builtin_convertvector(c8, u8x8);
+    const u8x16 b = __builtin_convertvector(c << shift, u8x16);
+    if (bits == 8) {
         memcpy(out, &b, sizeof b);
-        return;
+    } else if (bits == 4) {
+        u16x8 w;
+        memcpy(&w, &b, sizeof w);
+        const u8x8 r = __builtin_convertvector(w | w >> 8, u8x8);
+        memcpy(out, &r, sizeof r);
+    } else if (bits == 2) {
+        u32x4 w;
+        memcpy(&w, &b, sizeof w);
+        const u8x4 r = __builtin_convertvector(w | w >> 8 | w >> 16 | w >> 24, u8x4);
+        memcpy(out, &r, sizeof r);
+    } else {
+        u64x2 w;
+        memcpy(&w, &b, sizeof w);
+        w |= w >> 8 | w >> 16 | w >> 24;
+        const u8x2 r = __builtin_convertvector(w | w >> 32, u8x2);
+        memcpy(out, &r, sizeof r);
     }
-    const i32x4 c4 = __builtin_shufflevector(c8, c8, 0, 2, 4, 6)
-                     | __builtin_shufflevector(c8, c8, 1, 3, 5, 7);
-    if (bits == 2) {
-        const u8x4 b = __builtin_convertvector(c4, u8x4);
-        memcpy(out, &b, sizeof b);
-        return;
-    }
-    const i32x2 c2 = __builtin_shufflevector(c4, c4, 0, 2) | __builtin_shufflevector(c4, c4, 1, 3);
-    const u8x2 b = __builtin_convertvector(c2, u8x2);
-    memcpy(out, &b, sizeof b);
 }
 
 /* The little-endian 32-bit word of the bytes p[0 .. 3] (on any host). */
@@ -510,14 +516,18 @@ static inline __attribute__((always_inline)) void quantize_pack_fixed(
 static void quantize_pack(int64_t n, int bits, const float *h, const float *u, const noise16 *gen,
                           const float *ahead, float lo, float divisor, float qmax,
                           uint8_t *codes) {
-    noise16 s = {0}; /* a local copy stays in registers through the loop */
+    noise16 s = {0}; /* a local copy, whose address no other path takes, stays in registers */
     if (gen) s = *gen;
+#define QUANTIZE_AT(b)                                                                         \
+    (gen ? quantize_pack_fixed(n, h, NULL, &s, ahead, lo, divisor, qmax, codes, b)             \
+         : quantize_pack_fixed(n, h, u, NULL, ahead, lo, divisor, qmax, codes, b))
     switch (bits) {
-        case 1: quantize_pack_fixed(n, h, u, gen ? &s : NULL, ahead, lo, divisor, qmax, codes, 1); break;
-        case 2: quantize_pack_fixed(n, h, u, gen ? &s : NULL, ahead, lo, divisor, qmax, codes, 2); break;
-        case 4: quantize_pack_fixed(n, h, u, gen ? &s : NULL, ahead, lo, divisor, qmax, codes, 4); break;
-        default: quantize_pack_fixed(n, h, u, gen ? &s : NULL, ahead, lo, divisor, qmax, codes, 8);
+        case 1: QUANTIZE_AT(1); break;
+        case 2: QUANTIZE_AT(2); break;
+        case 4: QUANTIZE_AT(4); break;
+        default: QUANTIZE_AT(8);
     }
+#undef QUANTIZE_AT
 }
 
 /* The lane of v that a scan in lane order keeps when a lane replaces the running value only if
@@ -562,14 +572,26 @@ static void scan_range(int64_t n, const float *h, float *mn_out, float *mx_out) 
     *mx_out = nan ? NAN : mx;
 }
 
-/* The smallest (largest with `max`) of the 16 lanes, in any order. */
+/* The smallest (largest with `max`) of the 16 lanes, in any order: halves folded together. */
 static inline float lanes_extreme(f32x16 v, int max) {
     f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-    const f32x8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    a = select(max ? b > a : b < a, b, a);
-    float r = a[0];
-    for (int l = 1; l < 8; l++) r = (max ? a[l] > r : a[l] < r) ? a[l] : r;
-    return r;
+    f32x8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int width = 4; width >= 1; width /= 2) {
+        a = select(max ? b > a : b < a, b, a);
+        b = width == 4 ? __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3)
+            : width == 2 ? __builtin_shufflevector(a, a, 2, 3, 0, 1, 2, 3, 0, 1)
+                         : __builtin_shufflevector(a, a, 1, 0, 1, 0, 1, 0, 1, 0);
+    }
+    return (max ? b[0] > a[0] : b[0] < a[0]) ? b[0] : a[0];
+}
+
+/* Whether a lane of the mask m is set: halves OR-ed together. */
+static inline int any16(i32x16 m) {
+    i32x8 a = __builtin_shufflevector(m, m, 0, 1, 2, 3, 4, 5, 6, 7)
+              | __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15);
+    a |= __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3);
+    a |= __builtin_shufflevector(a, a, 2, 3, 0, 1, 2, 3, 0, 1);
+    return (a[0] | a[1]) != 0;
 }
 
 /* scan_range's result, faster: 16 lanes in two independent chains, reduced in any order. Among
@@ -591,8 +613,7 @@ static void map_range(int64_t n, const float *h, float *mn_out, float *mx_out) {
     }
     float lo = lanes_extreme(select16(mn[1] < mn[0], mn[1], mn[0]), 0);
     float hi = lanes_extreme(select16(mx[1] > mx[0], mx[1], mx[0]), 1);
-    int any_nan = 0;
-    for (int l = 0; l < 16; l++) any_nan |= nan[l];
+    int any_nan = any16(nan);
     for (; i < n; i++) {
         lo = h[i] < lo ? h[i] : lo;
         hi = h[i] > hi ? h[i] : hi;
@@ -634,6 +655,13 @@ static void quantize_map(int64_t n, int bits, const float *h, const float *u, ui
     quantize_map_with(n, bits, h, u, NULL, NULL, lo_out, step_out, codes);
 }
 
+/* The most elements of a map that encode_small_maps takes (an 8 x 8 map). */
+#define SMALL_MAP 64
+
+static void encode_small_maps(const geometry *g, int64_t m0, int bits, const float *x,
+                              uint64_t seed, uint16_t *lfc, uint16_t *lo, uint16_t *step,
+                              uint8_t *codes);
+
 /* Encode the maps of x (float32, contiguous) described by geom (G_LEN values). lfc: bf16
  * (maps, nblocks), or NULL for the quant form (codes of x itself); lo, step: bf16 (maps,);
  * codes: uint8 (maps, code bytes); noise: float32 like x, or NULL to draw from the seed.
@@ -645,21 +673,30 @@ int freqact_division_encode(const int64_t *geom, int bits, const float *x, const
     if (make_geometry(&g, geom) != 0) return -1;
     const int64_t maps = geom[G_MAPS], W = g.size[2];
     const int block = lfc != NULL;
+    /* work units: groups of 16 small maps (encode_small_maps), then single maps */
+    const int64_t groups = !noise && g.nblocks == 1 && g.numel <= SMALL_MAP ? maps / 16 : 0;
+    const int64_t units = groups + maps - 16 * groups;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        /* colsum, row (W each), means (nb[2]) in one allocation; the residual */
-        float *rows = block ? malloc((size_t)(2 * W + g.nb[2]) * sizeof(float)) : NULL;
+        /* colsum (W), row (blk[1] * W), means (nb[2]) in one allocation; the residual */
+        float *rows = block ? malloc((size_t)((1 + g.blk[1]) * W + g.nb[2]) * sizeof(float))
+                            : NULL;
         float *residual = block ? malloc((size_t)g.numel * sizeof(float)) : NULL;
         if (block && (!rows || !residual)) {
             failed = 1;
         } else {
 #pragma omp for schedule(static)
-            for (int64_t m = 0; m < maps; m++) {
+            for (int64_t unit = 0; unit < units; unit++) {
+                if (unit < groups) {
+                    encode_small_maps(&g, 16 * unit, bits, x, seed, lfc, lo, step, codes);
+                    continue;
+                }
+                const int64_t m = 16 * groups + unit - groups;
                 const float *xm = x + m * g.numel;
                 if (block)
-                    block_residual(&g, xm, rows, rows + W, rows + 2 * W, lfc + m * g.nblocks,
-                                   residual);
+                    block_residual(&g, xm, rows, rows + W, rows + (1 + g.blk[1]) * W,
+                                   lfc + m * g.nblocks, residual);
                 noise16 gen = noise_at(seed, (uint64_t)(m * g.numel));
                 quantize_map_with(g.numel, bits, block ? residual : xm,
                                   noise ? noise + m * g.numel : NULL, noise ? NULL : &gen,
@@ -1420,4 +1457,58 @@ int freqact_token_decode(const int64_t *geom, int bits, const uint16_t *lfc, con
         free(q);
     }
     return failed ? -1 : 0;
+}
+
+
+/* --- small maps 16 at a time (the map encode, on the token layouts' column kernels) -----------
+ *
+ * A map of one block and few elements (4 x 4, 8 x 8) spends most of a per-map encode in loop and
+ * call overhead and in one long dependent chain of float operations. 16 such maps drawing their
+ * own noise are transposed into an n x 16 panel, one map per lane, for their block sums and
+ * residual in lanes and then quantize_columns: a `chan` panel of F = 16 columns of T = n tokens
+ * whose quant map m * 16 + l is the encode's map m * 16 + l, drawing the uniforms of the map's
+ * elements in the stream. Per lane these are the per-map path's float operations in its order
+ * (the same bytes; quantize_columns keeps quantize_map's min/max order). */
+
+/* Encode maps m0 .. m0 + 15 of x, each one block of n <= SMALL_MAP elements. */
+static void encode_small_maps(const geometry *g, int64_t m0, int bits, const float *x,
+                              uint64_t seed, uint16_t *lfc, uint16_t *lo, uint16_t *step,
+                              uint8_t *codes) {
+    const int64_t n = g->numel;
+    const float *xm = x + m0 * n;
+    float xt[16 * SMALL_MAP], ht[16 * SMALL_MAP];
+    transpose(xm, 16, n, xt);
+    const float *h = xt;
+    if (lfc) {
+        /* block_residual's sums: per column 0 + its rows in order, then 0 + the columns */
+        const int64_t W = g->size[2], rows = n / W;
+        f32x16 sum = {0};
+        for (int64_t w = 0; w < W; w++) {
+            f32x16 col = {0};
+            for (int64_t r = 0; r < rows; r++) {
+                f32x16 v;
+                memcpy(&v, xt + (r * W + w) * 16, sizeof v);
+                col += v;
+            }
+            sum += col;
+        }
+        float means[16];
+        for (int l = 0; l < 16; l++) {
+            float mean = sum[l] / g->counts[0];
+            if (!isfinite(sum[l])) {
+                const int64_t start[3] = {0, 0, 0};
+                mean = scaled_block_mean(g, xm + l * n, start, g->size, sum[l], g->counts[0]);
+            }
+            lfc[m0 + l] = bf16_nearest(mean);
+            means[l] = bf16_to_float(lfc[m0 + l]);
+        }
+        for (int64_t e = 0; e < n; e++) residual_row(xt + e * 16, means, 16, ht + e * 16);
+        h = ht;
+    }
+    int64_t panel[T_LEN] = {0};
+    panel[T_H] = 1;
+    panel[T_W] = n;
+    panel[T_F] = 16;
+    panel[T_CODE_BYTES] = g->code_bytes;
+    quantize_columns(panel, m0 / 16, 0, bits, h, seed, lo, step, codes);
 }
