@@ -179,6 +179,15 @@ static inline i32x16 finite16(f32x16 v) {
     return (b & 0x7F800000) != 0x7F800000;
 }
 
+/* Whether a lane of the mask m is set: halves OR-ed together. */
+static inline int any16(i32x16 m) {
+    i32x8 a = __builtin_shufflevector(m, m, 0, 1, 2, 3, 4, 5, 6, 7)
+              | __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15);
+    a |= __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3);
+    a |= __builtin_shufflevector(a, a, 2, 3, 0, 1, 2, 3, 0, 1);
+    return (a[0] | a[1]) != 0;
+}
+
 /* --- noise ---------------------------------------------------------------------------------- */
 
 #define GOLDEN_GAMMA 0x9E3779B97F4A7C15ull
@@ -334,7 +343,8 @@ static int add_block_values(const geometry *g, const float *x, const float *valu
                             float *out) {
     const int64_t W = g->size[2], rows = g->size[0] * g->size[1];
     int64_t current = -1;
-    int32_t bad = 0;
+    int bad = 0;
+    i32x16 finite = finite16(splat16(0.0f)); /* all lanes true */
     for (int64_t r = 0; r < rows; r++) {
         if (g->row_blocks[r] != current) {
             current = g->row_blocks[r];
@@ -342,14 +352,21 @@ static int add_block_values(const geometry *g, const float *x, const float *valu
         }
         const float *xr = x + r * W;
         float *o = out + r * W;
-        for (int64_t w = 0; w < W; w++) {
+        int64_t w = 0;
+        for (; w + 16 <= W; w += 16) { /* finiteness in lanes, reduced once per map */
+            f32x16 a, b;
+            memcpy(&a, xr + w, sizeof a);
+            memcpy(&b, row + w, sizeof b);
+            a += b;
+            finite &= finite16(a);
+            memcpy(o + w, &a, sizeof a);
+        }
+        for (; w < W; w++) {
             o[w] = xr[w] + row[w];
-            uint32_t u;
-            memcpy(&u, o + w, sizeof u);
-            bad |= (u & 0x7F800000u) == 0x7F800000u; /* not finite: exponent all ones */
+            bad |= !isfinite(o[w]);
         }
     }
-    return bad;
+    return bad | any16(~finite);
 }
 
 /* --- packing: code i of a row at bit (i % (8 / bits)) * bits of byte i / (8 / bits) ----------- */
@@ -585,34 +602,32 @@ static inline float lanes_extreme(f32x16 v, int max) {
     return (max ? b[0] > a[0] : b[0] < a[0]) ? b[0] : a[0];
 }
 
-/* Whether a lane of the mask m is set: halves OR-ed together. */
-static inline int any16(i32x16 m) {
-    i32x8 a = __builtin_shufflevector(m, m, 0, 1, 2, 3, 4, 5, 6, 7)
-              | __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15);
-    a |= __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3);
-    a |= __builtin_shufflevector(a, a, 2, 3, 0, 1, 2, 3, 0, 1);
-    return (a[0] | a[1]) != 0;
-}
-
 /* scan_range's result, faster: 16 lanes in two independent chains, reduced in any order. Among
  * the values that compare equal to the min (max) only -0 and +0 differ in their bits, so the
  * order matters only when the min or max is zero: such a map (a dead ReLU channel, say) is
  * rescanned by scan_range. */
 static void map_range(int64_t n, const float *h, float *mn_out, float *mx_out) {
-    f32x16 mn[2] = {splat16(INFINITY), splat16(INFINITY)};
-    f32x16 mx[2] = {splat16(-INFINITY), splat16(-INFINITY)};
+    f32x16 mn0 = splat16(INFINITY), mn1 = mn0, mx0 = splat16(-INFINITY), mx1 = mx0, a, b;
     i32x16 nan = {0};
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        f32x16 v;
-        memcpy(&v, h + i, sizeof v);
-        const int k = (int)(i >> 4) & 1;
-        mn[k] = select16(v < mn[k], v, mn[k]);
-        mx[k] = select16(v > mx[k], v, mx[k]);
-        nan |= v != v;
+    for (; i + 32 <= n; i += 32) {
+        memcpy(&a, h + i, sizeof a);
+        memcpy(&b, h + i + 16, sizeof b);
+        mn0 = select16(a < mn0, a, mn0);
+        mn1 = select16(b < mn1, b, mn1);
+        mx0 = select16(a > mx0, a, mx0);
+        mx1 = select16(b > mx1, b, mx1);
+        nan |= (a != a) | (b != b);
     }
-    float lo = lanes_extreme(select16(mn[1] < mn[0], mn[1], mn[0]), 0);
-    float hi = lanes_extreme(select16(mx[1] > mx[0], mx[1], mx[0]), 1);
+    if (i + 16 <= n) {
+        memcpy(&a, h + i, sizeof a);
+        mn0 = select16(a < mn0, a, mn0);
+        mx0 = select16(a > mx0, a, mx0);
+        nan |= a != a;
+        i += 16;
+    }
+    float lo = lanes_extreme(select16(mn1 < mn0, mn1, mn0), 0);
+    float hi = lanes_extreme(select16(mx1 > mx0, mx1, mx0), 1);
     int any_nan = any16(nan);
     for (; i < n; i++) {
         lo = h[i] < lo ? h[i] : lo;
