@@ -13,22 +13,32 @@
  * maps. Overflow of finite values follows the edge rule of format.py (saturation).
  *
  * Encode per map, the data staying in cache between its passes:
- *   1. block sums (rows added column-wise, then each block's columns) -> lfc = bf16(sum / count),
- *      rounded to nearest even (as torch's .to(bfloat16));
- *   2. h = x - float(lfc), its min and max (a NaN anywhere makes both NaN);
+ *   1. per block row, block sums (its rows read in memory order and added column-wise, 0 + row 0
+ *      + row 1 + ..., then each block's columns in order) -> lfc = bf16(sum / count), rounded to
+ *      nearest even (as torch's .to(bfloat16)), and h = x - float(lfc) for its rows while they
+ *      are in L1;
+ *   2. the min and max of h (a NaN anywhere makes both NaN; -0 or +0 as an 8-lane scan keeps it,
+ *      scan_range);
  *   3. lo = bf16 rounded down from min, step = bf16 rounded up from (max - lo) / (2^Q - 1),
  *      codes = clamp(floor(u + (h - lo) / step), 0, 2^Q - 1) (step 0 divides by 1), packed
- *      8 / Q per byte, code i at bit (i % (8 / Q)) * Q of byte i / (8 / Q).
+ *      8 / Q per byte, code i at bit (i % (8 / Q)) * Q of byte i / (8 / Q); the next map's input
+ *      is prefetched a cache line per step of this loop.
+ * Maps of one block and at most SMALL_MAP elements (4 x 4, 8 x 8) that draw their own noise go
+ * 16 at a time, one per lane of a transposed panel, through the same operations per lane
+ * (encode_small_maps, on the token layouts' quantize_columns).
  * u comes from `noise` when given, else from SplitMix64 (Steele, Lea and Flood 2014) used as a
- * counter-based generator: element g of the whole tensor takes 24 bits of the draw at state
- * seed + (g / 2 + 1) * golden gamma (bits 40-63 for even g, 16-39 for odd g), so the bytes depend
- * on the seed alone, not on the thread count.
+ * counter-based generator, drawn in registers inside the quantise loop: element g of the whole
+ * tensor takes 24 bits of the draw at state seed + (g / 2 + 1) * golden gamma (bits 40-63 for
+ * even g, 16-39 for odd g), so the bytes depend on the seed alone, not on the thread count.
+ *
+ * Decoded NaNs: which of two NaNs an addition returns (its sign and payload) follows the operand
+ * order the compiler picks, so it is not specified (a NaN map decodes to NaN all the same).
  *
  * Built with -ffp-contract=off and without -ffast-math: every float operation rounds as the
  * reference's torch operations do. Loops are written so that the compiler vectorises them (flat
  * loops over a map) or with GCC/Clang vector types (min/max lanes, 16 codes per quantise, pack,
- * unpack and dequantise step, 8 SplitMix64 draws at a time, 8 token blocks' means in lanes), not
- * with intrinsics: the file builds for any CPU, as scalar code without vector units. Each vector
+ * unpack and dequantise step, 16 mask bits per step, 8 SplitMix64 draws at a time, 8 token
+ * blocks' means and 16 small maps in lanes), not with intrinsics: the file builds for any CPU, as scalar code without vector units. Each vector
  * step does per lane the float operations of the scalar code in its order (the same bytes).
  */
 #include <float.h>
@@ -138,8 +148,6 @@ typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x4 __attribute__((vector_size(16)));
-typedef int32_t i32x2 __attribute__((vector_size(8)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint8_t u8x8 __attribute__((vector_size(8)));
 typedef uint8_t u8x4 __attribute__((vector_size(4)));
@@ -801,15 +809,14 @@ static void apply_positive(const uint8_t *positive, int64_t first, int64_t n, fl
     int64_t i = 0;
     for (; i < n && ((first + i) & 7); i++)  /* up to a byte boundary */
         out[i] = positive_or_zero(bit_at(positive, first + i), out[i], tiny);
-    /* then a byte's 8 elements at a time, in lanes (a branch per element on a random mask
+    /* then two bytes' 16 elements at a time, in lanes (a branch per element on a random mask
      * mispredicts half the time: 3 ns per element) */
-    const i32x8 lane_bits = {1, 2, 4, 8, 16, 32, 64, 128};
-    const f32x8 tinies = {tiny, tiny, tiny, tiny, tiny, tiny, tiny, tiny}, zeros = {0};
-    for (; i + 8 <= n; i += 8) {
-        f32x8 v;
+    const f32x16 tinies = splat16(tiny), zeros = {0};
+    for (; i + 16 <= n; i += 16) {
+        f32x16 v;
         memcpy(&v, out + i, sizeof v);
-        v = select(v < tinies, tinies, v); /* NaN compares false: kept */
-        v = select((lane_bits & (int32_t)positive[(first + i) >> 3]) != 0, v, zeros);
+        v = select16(v < tinies, tinies, v); /* NaN compares false: kept */
+        v = select16(unpack16(positive + ((first + i) >> 3), 1) != 0, v, zeros);
         memcpy(out + i, &v, sizeof v);
     }
     for (; i < n; i++) out[i] = positive_or_zero(bit_at(positive, first + i), out[i], tiny);
@@ -901,38 +908,59 @@ void freqact_unpack_codes(int64_t rows, int64_t count, int bits, const uint8_t *
 
 /* --- 1-bit masks of float tensors ------------------------------------------------------------ */
 
-/* Elements per task: its bytes of bits stay in L1 between the compare and the packing. */
+/* Elements per task (a multiple of 16: each task's lane steps start on a whole byte). */
 #define MASK_CHUNK 4096
 
-/* Bit i (bit i % 8 of byte i / 8) = lower < x[i] (and x[i] < upper when bounded), n elements. */
+/* The mask bits of the 16 floats at p, one per lane (1 or 0): lower < p[l] (and p[l] < upper
+ * when bounded); NaN gives 0. */
+static inline i32x16 mask16(const float *p, f32x16 lower, int bounded, f32x16 upper) {
+    f32x16 v;
+    memcpy(&v, p, sizeof v);
+    const i32x16 bit = v > lower;
+    return (bounded ? bit & (v < upper) : bit) & 1;
+}
+
+/* Bit i (bit i % 8 of byte i / 8) = lower < x[i] (and x[i] < upper when bounded), n elements:
+ * 16 compares in lanes packed in registers per step (pack16); the last count % 16 of the tensor
+ * through a NaN-padded copy (NaN sets no bit, so the last byte's unused bits stay 0). */
 void freqact_pack_mask(int64_t n, const float *x, float lower, int bounded, float upper,
                        uint8_t *out, int threads) {
     const int64_t chunks = (n + MASK_CHUNK - 1) / MASK_CHUNK;
+    const f32x16 lo16 = splat16(lower), up16 = splat16(upper);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t first = c * MASK_CHUNK, count = n - first < MASK_CHUNK ? n - first : MASK_CHUNK;
-        uint8_t bits[MASK_CHUNK];
         const float *xc = x + first;
-        if (bounded) {
-            for (int64_t i = 0; i < count; i++) bits[i] = (xc[i] > lower) & (xc[i] < upper);
-        } else {
-            for (int64_t i = 0; i < count; i++) bits[i] = xc[i] > lower;
+        uint8_t *oc = out + first / 8;
+        int64_t i = 0;
+        for (; i + 16 <= count; i += 16) pack16(mask16(xc + i, lo16, bounded, up16), oc + i / 8, 1);
+        if (i < count) {
+            float pad[16];
+            uint8_t bytes[2];
+            for (int k = 0; k < 16; k++) pad[k] = i + k < count ? xc[i + k] : NAN;
+            pack16(mask16(pad, lo16, bounded, up16), bytes, 1);
+            memcpy(oc + i / 8, bytes, (size_t)(count - i + 7) / 8);
         }
-        pack_row(bits, count, out + first / 8, 1);
     }
 }
 
-/* out[i] = bit i ? on : off, float32, n elements. */
+/* out[i] = bit i ? on : off, float32, n elements: 16 bits unpacked in registers per step
+ * (unpack16). */
 void freqact_unpack_mask(int64_t n, const uint8_t *packed, float off, float on, float *out,
                          int threads) {
     const int64_t chunks = (n + MASK_CHUNK - 1) / MASK_CHUNK;
+    const f32x16 on16 = splat16(on), off16 = splat16(off);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t first = c * MASK_CHUNK, count = n - first < MASK_CHUNK ? n - first : MASK_CHUNK;
-        uint8_t bits[MASK_CHUNK];
-        unpack_row(packed + first / 8, count, bits, 1);
+        const uint8_t *pc = packed + first / 8;
         float *oc = out + first;
-        for (int64_t i = 0; i < count; i++) oc[i] = bits[i] ? on : off;
+        int64_t i = 0;
+        for (; i + 16 <= count; i += 16) {
+            const f32x16 v = select16(unpack16(pc + i / 8, 1) != 0, on16, off16);
+            memcpy(oc + i, &v, sizeof v);
+        }
+        for (; i < count; i++) oc[i] = bit_at(pc, i) ? on : off;
     }
 }
 
