@@ -68,6 +68,32 @@ def test_own_noise_is_the_documented_splitmix_stream(shape):
     assert_same_bytes(got, want)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("block", [None, 64], ids=["quant", "division"])
+def test_small_maps_sixteen_at_a_time_give_the_per_map_bytes(bits, block):
+    # Maps of one block and at most 64 elements go 16 at a time in lanes (encode_small_maps):
+    # 38 maps are two groups and 6 maps of the per-map path; odd lengths start every other map
+    # at an odd element of the noise stream.
+    seed = 0x5EED5EED5EED5EED
+    gen = torch.Generator().manual_seed(bits)
+    for shape in [(2, 19, 1), (2, 19, 7), (2, 19, 15), (2, 19, 16), (2, 19, 4, 4),
+                  (1, 38, 8, 8), (1, 38, 3, 5)]:
+        x = dyadic(shape, torch.float32, gen)
+        flat = x.view(x.shape[0] * x.shape[1], -1)
+        flat[3, 0], flat[20, -1], flat[21, 0] = float("nan"), float("inf"), -float("inf")
+        flat[22] = 0.5  # a constant map: step 0
+        noise = splitmix_uniforms(seed, x.numel()).reshape(x.shape)
+        lfc, lo, step, codes = cpu.encode(x, fmt.geometry(x.shape, block), bits, None, seed)
+        if block is None:
+            got = fmt.QuantPacked(lo, step, codes, x.shape, x.dtype, bits)
+            want = K.quantize_encode(x, bits, noise, backend="torch")
+        else:
+            got = fmt.DivisionPacked(lfc, lo, step, codes, x.shape, x.dtype, block, bits)
+            want = K.division_encode(x, block, bits, noise, backend="torch")
+            torch.testing.assert_close(got.lfc, want.lfc, rtol=0, atol=0, equal_nan=True)
+        assert_same_bytes(got, want, ("lo", "step", "codes"))
+
+
 # Map lengths around the kernels' vector widths: 8 lanes for the min/max, 16 for the quantise,
 # pack, unpack and dequantise steps and for the 8 SplitMix64 draws of one noise step; odd lengths
 # start every other map at an odd element of the noise stream (its pair straddles two maps).
