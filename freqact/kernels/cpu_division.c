@@ -23,8 +23,8 @@
  *      codes = clamp(floor(u + (h - lo) / step), 0, 2^Q - 1) (step 0 divides by 1), packed
  *      8 / Q per byte, code i at bit (i % (8 / Q)) * Q of byte i / (8 / Q); the next map's input
  *      is prefetched a cache line per step of this loop.
- * Maps of one block and at most SMALL_MAP elements (4 x 4, 8 x 8) that draw their own noise go
- * 16 at a time, one per lane of a transposed panel, through the same operations per lane
+ * Maps of at most SMALL_MAP elements (4 x 4, 8 x 8, 16 x 16) that draw their own noise go 16 at
+ * a time, one per lane of a transposed panel, through the same operations per lane
  * (encode_small_maps, on the token layouts' quantize_columns).
  * u comes from `noise` when given, else from SplitMix64 (Steele, Lea and Flood 2014) used as a
  * counter-based generator, drawn in registers inside the quantise loop: element g of the whole
@@ -38,8 +38,9 @@
  * reference's torch operations do. Loops are written so that the compiler vectorises them (flat
  * loops over a map) or with GCC/Clang vector types (min/max lanes, 16 codes per quantise, pack,
  * unpack and dequantise step, 16 mask bits per step, 8 SplitMix64 draws at a time, 8 token
- * blocks' means and 16 small maps in lanes), not with intrinsics: the file builds for any CPU, as scalar code without vector units. Each vector
- * step does per lane the float operations of the scalar code in its order (the same bytes).
+ * blocks' means and 16 small maps in lanes), not with intrinsics: the file builds for any CPU,
+ * as scalar code without vector units. Each vector step does per lane the float operations of
+ * the scalar code in its order (the same bytes).
  */
 #include <float.h>
 #include <math.h>
@@ -678,12 +679,12 @@ static void quantize_map(int64_t n, int bits, const float *h, const float *u, ui
     quantize_map_with(n, bits, h, u, NULL, NULL, lo_out, step_out, codes);
 }
 
-/* The most elements of a map that encode_small_maps takes (an 8 x 8 map). */
-#define SMALL_MAP 64
+/* The most elements of a map that encode_small_maps takes (a 16 x 16 map). */
+#define SMALL_MAP 256
 
 static void encode_small_maps(const geometry *g, int64_t m0, int bits, const float *x,
                               uint64_t seed, uint16_t *lfc, uint16_t *lo, uint16_t *step,
-                              uint8_t *codes);
+                              uint8_t *codes, float *scratch);
 
 /* Encode the maps of x (float32, contiguous) described by geom (G_LEN values). lfc: bf16
  * (maps, nblocks), or NULL for the quant form (codes of x itself); lo, step: bf16 (maps,);
@@ -697,7 +698,7 @@ int freqact_division_encode(const int64_t *geom, int bits, const float *x, const
     const int64_t maps = geom[G_MAPS], W = g.size[2];
     const int block = lfc != NULL;
     /* work units: groups of 16 small maps (encode_small_maps), then single maps */
-    const int64_t groups = !noise && g.nblocks == 1 && g.numel <= SMALL_MAP ? maps / 16 : 0;
+    const int64_t groups = !noise && g.numel <= SMALL_MAP ? maps / 16 : 0;
     const int64_t units = groups + maps - 16 * groups;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
@@ -706,13 +707,15 @@ int freqact_division_encode(const int64_t *geom, int bits, const float *x, const
         float *rows = block ? malloc((size_t)((1 + g.blk[1]) * W + g.nb[2]) * sizeof(float))
                             : NULL;
         float *residual = block ? malloc((size_t)g.numel * sizeof(float)) : NULL;
-        if (block && (!rows || !residual)) {
+        float *lanes = groups ? malloc(4 * 16 * SMALL_MAP * sizeof(float)) : NULL;
+        if ((block && (!rows || !residual)) || (groups && !lanes)) {
             failed = 1;
         } else {
 #pragma omp for schedule(static)
             for (int64_t unit = 0; unit < units; unit++) {
                 if (unit < groups) {
-                    encode_small_maps(&g, 16 * unit, bits, x, seed, lfc, lo, step, codes);
+                    encode_small_maps(&g, 16 * unit, bits, x, seed, lfc, lo, step, codes,
+                                      lanes);
                     continue;
                 }
                 const int64_t m = 16 * groups + unit - groups;
@@ -729,6 +732,7 @@ int freqact_division_encode(const int64_t *geom, int bits, const float *x, const
         }
         free(rows);
         free(residual);
+        free(lanes);
     }
     free_geometry(&g);
     return failed ? -1 : 0;
@@ -1505,47 +1509,65 @@ int freqact_token_decode(const int64_t *geom, int bits, const uint16_t *lfc, con
 
 /* --- small maps 16 at a time (the map encode, on the token layouts' column kernels) -----------
  *
- * A map of one block and few elements (4 x 4, 8 x 8) spends most of a per-map encode in loop and
- * call overhead and in one long dependent chain of float operations. 16 such maps drawing their
+ * A map of few elements (4 x 4, 8 x 8, 16 x 16) spends much of a per-map encode in loop and
+ * call overhead and in long dependent chains of float operations. 16 such maps drawing their
  * own noise are transposed into an n x 16 panel, one map per lane, for their block sums and
  * residual in lanes and then quantize_columns: a `chan` panel of F = 16 columns of T = n tokens
  * whose quant map m * 16 + l is the encode's map m * 16 + l, drawing the uniforms of the map's
  * elements in the stream. Per lane these are the per-map path's float operations in its order
  * (the same bytes; quantize_columns keeps quantize_map's min/max order). */
 
-/* Encode maps m0 .. m0 + 15 of x, each one block of n <= SMALL_MAP elements. */
+/* Encode maps m0 .. m0 + 15 of x, each of n <= SMALL_MAP elements. scratch: 4 * 16 * SMALL_MAP
+ * floats (the panel, its residual, the block means in lanes, a row of them spread). */
 static void encode_small_maps(const geometry *g, int64_t m0, int bits, const float *x,
                               uint64_t seed, uint16_t *lfc, uint16_t *lo, uint16_t *step,
-                              uint8_t *codes) {
-    const int64_t n = g->numel;
+                              uint8_t *codes, float *scratch) {
+    float *xt = scratch, *ht = xt + 16 * SMALL_MAP, *means = ht + 16 * SMALL_MAP;
+    float *mrow = means + 16 * SMALL_MAP;
+    const int64_t n = g->numel, H = g->size[1], W = g->size[2], bw = g->blk[2];
     const float *xm = x + m0 * n;
-    float xt[16 * SMALL_MAP], ht[16 * SMALL_MAP];
     transpose(xm, 16, n, xt);
     const float *h = xt;
     if (lfc) {
-        /* block_residual's sums: per column 0 + its rows in order, then 0 + the columns */
-        const int64_t W = g->size[2], rows = n / W;
-        f32x16 sum = {0};
-        for (int64_t w = 0; w < W; w++) {
-            f32x16 col = {0};
-            for (int64_t r = 0; r < rows; r++) {
-                f32x16 v;
-                memcpy(&v, xt + (r * W + w) * 16, sizeof v);
-                col += v;
+        /* block_residual's sums per block: per column 0 + its rows in order, then 0 + the
+         * columns */
+        for (int64_t b = 0; b < g->nblocks; b++) {
+            const int64_t j = b % g->nb[2], hb = b / g->nb[2] % g->nb[1];
+            const int64_t db = b / g->nb[2] / g->nb[1];
+            int64_t lo3[3] = {db * g->blk[0], hb * g->blk[1], j * bw}, hi3[3];
+            for (int k = 0; k < 3; k++)
+                hi3[k] = lo3[k] + g->blk[k] < g->size[k] ? lo3[k] + g->blk[k] : g->size[k];
+            f32x16 sum = {0};
+            for (int64_t w = lo3[2]; w < hi3[2]; w++) {
+                f32x16 col = {0};
+                for (int64_t d = lo3[0]; d < hi3[0]; d++)
+                    for (int64_t r = d * H + lo3[1]; r < d * H + hi3[1]; r++) {
+                        f32x16 v;
+                        memcpy(&v, xt + (r * W + w) * 16, sizeof v);
+                        col += v;
+                    }
+                sum += col;
             }
-            sum += col;
-        }
-        float means[16];
-        for (int l = 0; l < 16; l++) {
-            float mean = sum[l] / g->counts[0];
-            if (!isfinite(sum[l])) {
-                const int64_t start[3] = {0, 0, 0};
-                mean = scaled_block_mean(g, xm + l * n, start, g->size, sum[l], g->counts[0]);
+            for (int l = 0; l < 16; l++) {
+                float mean = sum[l] / g->counts[b];
+                if (!isfinite(sum[l]))
+                    mean = scaled_block_mean(g, xm + l * n, lo3, hi3, sum[l], g->counts[b]);
+                const uint16_t v = bf16_nearest(mean);
+                lfc[(m0 + l) * g->nblocks + b] = v;
+                means[b * 16 + l] = bf16_to_float(v);
             }
-            lfc[m0 + l] = bf16_nearest(mean);
-            means[l] = bf16_to_float(lfc[m0 + l]);
         }
-        for (int64_t e = 0; e < n; e++) residual_row(xt + e * 16, means, 16, ht + e * 16);
+        /* per row, its 16 lanes' block means spread over its W columns (rebuilt when the block
+         * row changes), then one residual_row call over the row's W x 16 floats */
+        for (int64_t r = 0, current = -1; r < n / W; r++) {
+            if (g->row_blocks[r] != current) {
+                current = g->row_blocks[r];
+                for (int64_t w = 0; w < W; w++)
+                    memcpy(mrow + w * 16, means + (current * g->nb[2] + w / bw) * 16,
+                           16 * sizeof(float));
+            }
+            residual_row(xt + r * W * 16, mrow, W * 16, ht + r * W * 16);
+        }
         h = ht;
     }
     int64_t panel[T_LEN] = {0};
