@@ -13,24 +13,34 @@
  * maps. Overflow of finite values follows the edge rule of format.py (saturation).
  *
  * Encode per map, the data staying in cache between its passes:
- *   1. block sums (rows added column-wise, then each block's columns) -> lfc = bf16(sum / count),
- *      rounded to nearest even (as torch's .to(bfloat16));
- *   2. h = x - float(lfc), its min and max (a NaN anywhere makes both NaN);
+ *   1. per block row, block sums (its rows read in memory order and added column-wise, 0 + row 0
+ *      + row 1 + ..., then each block's columns in order) -> lfc = bf16(sum / count), rounded to
+ *      nearest even (as torch's .to(bfloat16)), and h = x - float(lfc) for its rows while they
+ *      are in L1;
+ *   2. the min and max of h (a NaN anywhere makes both NaN; -0 or +0 as an 8-lane scan keeps it,
+ *      scan_range);
  *   3. lo = bf16 rounded down from min, step = bf16 rounded up from (max - lo) / (2^Q - 1),
  *      codes = clamp(floor(u + (h - lo) / step), 0, 2^Q - 1) (step 0 divides by 1), packed
- *      8 / Q per byte, code i at bit (i % (8 / Q)) * Q of byte i / (8 / Q).
+ *      8 / Q per byte, code i at bit (i % (8 / Q)) * Q of byte i / (8 / Q); the next map's input
+ *      is prefetched a cache line per step of this loop.
+ * Maps of at most SMALL_MAP elements (4 x 4, 8 x 8, 16 x 16) that draw their own noise go 16 at
+ * a time, one per lane of a transposed panel, through the same operations per lane
+ * (encode_small_maps, on the token layouts' quantize_lanes).
  * u comes from `noise` when given, else from SplitMix64 (Steele, Lea and Flood 2014) used as a
- * counter-based generator: element g of the whole tensor takes 24 bits of the draw at state
- * seed + (g / 2 + 1) * golden gamma (bits 40-63 for even g, 16-39 for odd g), so the bytes depend
- * on the seed alone, not on the thread count.
+ * counter-based generator, drawn in registers inside the quantise loop: element g of the whole
+ * tensor takes 24 bits of the draw at state seed + (g / 2 + 1) * golden gamma (bits 40-63 for
+ * even g, 16-39 for odd g), so the bytes depend on the seed alone, not on the thread count.
+ *
+ * Decoded NaNs: which of two NaNs an addition returns (its sign and payload) follows the operand
+ * order the compiler picks, so it is not specified (a NaN map decodes to NaN all the same).
  *
  * Built with -ffp-contract=off and without -ffast-math: every float operation rounds as the
  * reference's torch operations do. Loops are written so that the compiler vectorises them (flat
  * loops over a map) or with GCC/Clang vector types (min/max lanes, 16 codes per quantise, pack,
- * unpack and dequantise step, 8 SplitMix64 draws at a time, 8 token blocks' means in lanes, 16
- * token quant maps in lanes), not with intrinsics: the file builds for any CPU, as scalar code
- * without vector units. Each vector step does per lane the float operations of the scalar code
- * in its order (the same bytes).
+ * unpack and dequantise step, 16 mask bits per step, 8 SplitMix64 draws at a time, 8 token
+ * blocks' means, 16 token quant maps and 16 small maps in lanes), not with intrinsics: the file
+ * builds for any CPU, as scalar code without vector units. Each vector step does per lane the
+ * float operations of the scalar code in its order (the same bytes).
  */
 #include <float.h>
 #include <math.h>
@@ -139,14 +149,14 @@ typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x4 __attribute__((vector_size(16)));
-typedef int32_t i32x2 __attribute__((vector_size(8)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint8_t u8x8 __attribute__((vector_size(8)));
 typedef uint8_t u8x4 __attribute__((vector_size(4)));
 typedef uint8_t u8x2 __attribute__((vector_size(2)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
+typedef uint64_t u64x2 __attribute__((vector_size(16)));
 /* 8 SplitMix64 states at once (vpmullq with AVX-512 DQ) */
 typedef uint64_t u64x8 __attribute__((vector_size(64)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
@@ -178,6 +188,15 @@ static inline i32x16 finite16(f32x16 v) {
     return (b & 0x7F800000) != 0x7F800000;
 }
 
+/* Whether a lane of the mask m is set: halves OR-ed together. */
+static inline int any16(i32x16 m) {
+    i32x8 a = __builtin_shufflevector(m, m, 0, 1, 2, 3, 4, 5, 6, 7)
+              | __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15);
+    a |= __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3);
+    a |= __builtin_shufflevector(a, a, 2, 3, 0, 1, 2, 3, 0, 1);
+    return (a[0] | a[1]) != 0;
+}
+
 /* --- noise ---------------------------------------------------------------------------------- */
 
 #define GOLDEN_GAMMA 0x9E3779B97F4A7C15ull
@@ -190,25 +209,60 @@ static inline u64x8 splitmix8(u64x8 z) {
     return z ^ (z >> 31);
 }
 
-/* u[i] = the uniform of element first + i, for i < n: two per draw, draw g / 2 giving bits 40-63
- * to even g and bits 16-39 to odd g, each scaled to [0, 1) by 2^-24. 16 uniforms (8 draws) per
- * step from the even element at or before `first`, so u must have room for n + 16 floats: the
- * map's uniforms start at u + (first & 1), which this returns. */
-static const float *splitmix_uniforms(uint64_t seed, uint64_t first, int64_t n, float *u) {
+/* The 16 uniforms of the elements 2k .. 2k + 15 from the states z of draws k .. k + 7 (bits
+ * 40-63 to even elements, 16-39 to odd ones, each scaled to [0, 1) by 2^-24); z advances by 8
+ * draws. */
+static inline f32x16 uniforms16(u64x8 *z) {
+    const u64x8 r = splitmix8(*z);
+    const u32x8 hi = __builtin_convertvector(r >> 40, u32x8);
+    const u32x8 lo = __builtin_convertvector((r >> 16) & 0xFFFFFF, u32x8);
+    const u32x16 bits = __builtin_shufflevector(hi, lo, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6,
+                                                14, 7, 15);
+    *z += 8 * GOLDEN_GAMMA;
+    /* < 2^24: exact as int32 and as float, as the scalar (float)(uint64) conversion */
+    return __builtin_convertvector((i32x16)bits, f32x16) * splat16(0x1p-24f);
+}
+
+/* The states of draws k .. k + 7 for the draw k holding element `first`. */
+static inline u64x8 draw_states(uint64_t seed, uint64_t first) {
     const u64x8 lanes = {1, 2, 3, 4, 5, 6, 7, 8};
-    u64x8 z = seed + ((first >> 1) + lanes) * GOLDEN_GAMMA;
+    return seed + ((first >> 1) + lanes) * GOLDEN_GAMMA;
+}
+
+/* u[i] = the uniform of element first + i, for i < n, 16 per step from the even element at or
+ * before `first`, so u must have room for n + 16 floats: the map's uniforms start at
+ * u + (first & 1), which this returns. */
+static const float *splitmix_uniforms(uint64_t seed, uint64_t first, int64_t n, float *u) {
+    u64x8 z = draw_states(seed, first);
     for (int64_t i = 0; i < n + (int64_t)(first & 1); i += 16) {
-        const u64x8 r = splitmix8(z);
-        const u32x8 hi = __builtin_convertvector(r >> 40, u32x8);
-        const u32x8 lo = __builtin_convertvector((r >> 16) & 0xFFFFFF, u32x8);
-        const u32x16 bits = __builtin_shufflevector(hi, lo, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5,
-                                                    13, 6, 14, 7, 15);
-        /* < 2^24: exact as int32 and as float, as the scalar (float)(uint64) conversion */
-        const f32x16 v = __builtin_convertvector((i32x16)bits, f32x16) * splat16(0x1p-24f);
+        const f32x16 v = uniforms16(&z);
         memcpy(u + i, &v, sizeof v);
-        z += 8 * GOLDEN_GAMMA;
     }
     return u + (first & 1);
+}
+
+/* The noise of one map drawn in registers, 16 uniforms per `next_uniforms` from element `first`
+ * on (no buffer: the encode's maps read theirs once, in the quantise loop). An odd first shifts
+ * each 16 drawn by one element: `carry` holds the 16 drawn before. */
+typedef struct {
+    u64x8 z;
+    f32x16 carry;
+    int odd;
+} noise16;
+
+static inline noise16 noise_at(uint64_t seed, uint64_t first) {
+    noise16 s = {draw_states(seed, first), {0}, (int)(first & 1)};
+    if (s.odd) s.carry = uniforms16(&s.z);
+    return s;
+}
+
+static inline f32x16 next_uniforms(noise16 *s) {
+    const f32x16 v = uniforms16(&s->z);
+    if (!s->odd) return v;
+    const f32x16 shifted = __builtin_shufflevector(s->carry, v, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                   11, 12, 13, 14, 15, 16);
+    s->carry = v;
+    return shifted;
 }
 
 /* --- encode: block means and residual ----------------------------------------------------- */
@@ -229,52 +283,6 @@ static float scaled_block_mean(const geometry *g, const float *x, const int64_t 
     return s / count / 0x1p-64f;
 }
 
-/* Block means of map x into lfc (bf16) and means (their float values); colsum: scratch of W
- * floats. Per block row, the column sums of its rows are kept in registers 8 columns at a time,
- * then each block adds its columns. */
-static void block_means(const geometry *g, const float *x, float *colsum, uint16_t *lfc,
-                        float *means) {
-    const int64_t H = g->size[1], W = g->size[2];
-    for (int64_t db = 0; db < g->nb[0]; db++) {
-        const int64_t d0 = db * g->blk[0], d1 = d0 + g->blk[0] < g->size[0] ? d0 + g->blk[0]
-                                                                             : g->size[0];
-        for (int64_t hb = 0; hb < g->nb[1]; hb++) {
-            const int64_t h0 = hb * g->blk[1], h1 = h0 + g->blk[1] < H ? h0 + g->blk[1] : H;
-            int64_t w = 0;
-            for (; w + 8 <= W; w += 8) {
-                f32x8 acc = {0};
-                for (int64_t d = d0; d < d1; d++) {
-                    for (int64_t h = h0; h < h1; h++) {
-                        f32x8 v;
-                        memcpy(&v, x + (d * H + h) * W + w, sizeof v);
-                        acc += v;
-                    }
-                }
-                memcpy(colsum + w, &acc, sizeof acc);
-            }
-            for (; w < W; w++) {
-                float acc = 0.0f;
-                for (int64_t d = d0; d < d1; d++)
-                    for (int64_t h = h0; h < h1; h++) acc += x[(d * H + h) * W + w];
-                colsum[w] = acc;
-            }
-            for (int64_t j = 0; j < g->nb[2]; j++) {
-                const int64_t w0 = j * g->blk[2], w1 = w0 + g->blk[2] < W ? w0 + g->blk[2] : W;
-                float sum = 0.0f;
-                for (int64_t c = w0; c < w1; c++) sum += colsum[c];
-                const int64_t b = (db * g->nb[1] + hb) * g->nb[2] + j;
-                float mean = sum / g->counts[b];
-                if (!isfinite(sum)) {
-                    const int64_t lo[3] = {d0, h0, w0}, hi[3] = {d1, h1, w1};
-                    mean = scaled_block_mean(g, x, lo, hi, sum, g->counts[b]);
-                }
-                lfc[b] = bf16_nearest(mean);
-                means[b] = bf16_to_float(lfc[b]);
-            }
-        }
-    }
-}
-
 /* out[i] = x[i] - m[i], saturated at +-FLT_MAX where that overflows for a finite x (the edge
  * rule; written as selects so that it vectorises). out may be x. */
 static void residual_row(const float *x, const float *m, int64_t n, float *out) {
@@ -285,30 +293,89 @@ static void residual_row(const float *x, const float *m, int64_t n, float *out) 
     }
 }
 
-/* out[i] = x[i] + (value of i's block) (decode's base), or with `subtract` the encode's residual
- * x[i] - value, saturated (residual_row; x + (-v) before, the same value and bytes: only a NaN's
- * sign bit can differ, and a NaN residual becomes code 0 and a NaN min/max either way): a flat
- * loop when the map is one block, else per row against that row's block values spread over its
- * W columns (rebuilt when the block row changes; row: scratch of W). */
-static void add_block_values(const geometry *g, const float *x, const float *values, int subtract,
-                             float *row, float *out) {
+/* row[w] = the value of w's block for the W columns of a row, from its block row's nb[2]
+ * values v. */
+static void spread_row(const geometry *g, const float *v, float *row) {
+    const int64_t W = g->size[2], bw = g->blk[2];
+    for (int64_t j = 0; j < g->nb[2]; j++) {
+        const int64_t w1 = (j + 1) * bw < W ? (j + 1) * bw : W;
+        for (int64_t w = j * bw; w < w1; w++) row[w] = v[j];
+    }
+}
+
+/* Block means of map x into lfc (bf16) and its residual x - float(lfc), saturated (residual_row),
+ * into h, one block row at a time while its rows are in L1: the rows are read in memory order
+ * (a cold map streams in) and added column-wise into colsum (colsum[w] = 0 + x[row 0][w] +
+ * x[row 1][w] + ...), then each block adds its columns in order (0 + colsum[w0] + ...).
+ * colsum: scratch of W floats; row: of blk[1] * W; means: of nb[2]. */
+static void block_residual(const geometry *g, const float *x, float *colsum, float *row,
+                           float *means, uint16_t *lfc, float *h) {
+    const int64_t H = g->size[1], W = g->size[2], bw = g->blk[2], nbw = g->nb[2];
+    for (int64_t db = 0; db < g->nb[0]; db++) {
+        const int64_t d0 = db * g->blk[0], d1 = d0 + g->blk[0] < g->size[0] ? d0 + g->blk[0]
+                                                                             : g->size[0];
+        for (int64_t hb = 0; hb < g->nb[1]; hb++) {
+            const int64_t h0 = hb * g->blk[1], h1 = h0 + g->blk[1] < H ? h0 + g->blk[1] : H;
+            for (int64_t w = 0; w < W; w++) colsum[w] = 0.0f;
+            for (int64_t d = d0; d < d1; d++)
+                for (int64_t r = d * H + h0; r < d * H + h1; r++) {
+                    const float *xr = x + r * W;
+                    for (int64_t w = 0; w < W; w++) colsum[w] += xr[w];
+                }
+            const int64_t first = (db * g->nb[1] + hb) * nbw;
+            for (int64_t j = 0; j < nbw; j++) {
+                const int64_t b = first + j, w0 = j * bw, w1 = w0 + bw < W ? w0 + bw : W;
+                float sum = 0.0f;
+                for (int64_t c = w0; c < w1; c++) sum += colsum[c];
+                float mean = sum / g->counts[b];
+                if (!isfinite(sum)) {
+                    const int64_t lo[3] = {d0, h0, w0}, hi[3] = {d1, h1, w1};
+                    mean = scaled_block_mean(g, x, lo, hi, sum, g->counts[b]);
+                }
+                lfc[b] = bf16_nearest(mean);
+                means[j] = bf16_to_float(lfc[b]);
+            }
+            /* the block row's rows of one d are contiguous: one residual_row call for them
+             * (a 4 x 4 map in one vector step, not four scalar rows) */
+            spread_row(g, means, row);
+            for (int64_t r = 1; r < h1 - h0; r++) memcpy(row + r * W, row, (size_t)W * sizeof *row);
+            for (int64_t d = d0; d < d1; d++)
+                residual_row(x + (d * H + h0) * W, row, (h1 - h0) * W, h + (d * H + h0) * W);
+        }
+    }
+}
+
+/* out[i] = x[i] + (value of i's block) (decode's base), per row against its block row's values
+ * spread over its W columns (rebuilt when the block row changes; row: scratch of W). out may be
+ * x. Returns whether a value of out is not finite. */
+static int add_block_values(const geometry *g, const float *x, const float *values, float *row,
+                            float *out) {
     const int64_t W = g->size[2], rows = g->size[0] * g->size[1];
     int64_t current = -1;
+    int bad = 0;
+    i32x16 finite = finite16(splat16(0.0f)); /* all lanes true */
     for (int64_t r = 0; r < rows; r++) {
-        if (g->nblocks == 1) {
-            if (current < 0)
-                for (int64_t w = 0; w < W; w++) row[w] = values[0];
-        } else if (g->row_blocks[r] != current) {
-            const float *v = values + g->row_blocks[r] * g->nb[2];
-            for (int64_t j = 0, w = 0; j < g->nb[2]; j++)
-                for (int64_t k = 0; k < g->blk[2] && w < W; k++, w++) row[w] = v[j];
+        if (g->row_blocks[r] != current) {
+            current = g->row_blocks[r];
+            spread_row(g, values + current * g->nb[2], row);
         }
-        current = g->nblocks == 1 ? 0 : g->row_blocks[r];
         const float *xr = x + r * W;
         float *o = out + r * W;
-        if (subtract) residual_row(xr, row, W, o);
-        else for (int64_t w = 0; w < W; w++) o[w] = xr[w] + row[w];
+        int64_t w = 0;
+        for (; w + 16 <= W; w += 16) { /* finiteness in lanes, reduced once per map */
+            f32x16 a, b;
+            memcpy(&a, xr + w, sizeof a);
+            memcpy(&b, row + w, sizeof b);
+            a += b;
+            finite &= finite16(a);
+            memcpy(o + w, &a, sizeof a);
+        }
+        for (; w < W; w++) {
+            o[w] = xr[w] + row[w];
+            bad |= !isfinite(o[w]);
+        }
     }
+    return bad | any16(~finite);
 }
 
 /* --- packing: code i of a row at bit (i % (8 / bits)) * bits of byte i / (8 / bits) ----------- */
@@ -363,35 +430,34 @@ static void unpack_row(const uint8_t *packed, int64_t count, uint8_t *q, int bit
 }
 
 /* 16 codes (< 2^bits, one per lane) packed into their 2 * bits bytes at out: each lane shifted to
- * its place in its byte, then adjacent lanes OR-ed until one lane per byte is left.
- * always_inline with a constant `bits`. */
+ * its place in its byte and narrowed to a byte, then the 8 / bits bytes of each packed byte OR-ed
+ * within the word that holds them (the OR of all of a word's bytes: the same on any byte order),
+ * its low byte kept. A lane shuffle tree did this on the vector permute port that the noise and
+ * the division also need. always_inline with a constant `bits`. */
 static inline __attribute__((always_inline)) void pack16(i32x16 c, uint8_t *out, const int bits) {
-    if (bits == 8) {
-        const u8x16 b = __builtin_convertvector(c, u8x16);
-        memcpy(out, &b, sizeof b);
-        return;
-    }
     const int per_byte = 8 / bits;
     i32x16 shift;
     for (int l = 0; l < 16; l++) shift[l] = (l % per_byte) * bits;
-    c <<= shift;
-    const i32x8 c8 = __builtin_shufflevector(c, c, 0, 2, 4, 6, 8, 10, 12, 14)
-                     | __builtin_shufflevector(c, c, 1, 3, 5, 7, 9, 11, 13, 15);
-    if (bits == 4) {
-        const u8x8 b = __builtin_convertvector(c8, u8x8);
+    const u8x16 b = __builtin_convertvector(c << shift, u8x16);
+    if (bits == 8) {
         memcpy(out, &b, sizeof b);
-        return;
+    } else if (bits == 4) {
+        u16x8 w;
+        memcpy(&w, &b, sizeof w);
+        const u8x8 r = __builtin_convertvector(w | w >> 8, u8x8);
+        memcpy(out, &r, sizeof r);
+    } else if (bits == 2) {
+        u32x4 w;
+        memcpy(&w, &b, sizeof w);
+        const u8x4 r = __builtin_convertvector(w | w >> 8 | w >> 16 | w >> 24, u8x4);
+        memcpy(out, &r, sizeof r);
+    } else {
+        u64x2 w;
+        memcpy(&w, &b, sizeof w);
+        w |= w >> 8 | w >> 16 | w >> 24;
+        const u8x2 r = __builtin_convertvector(w | w >> 32, u8x2);
+        memcpy(out, &r, sizeof r);
     }
-    const i32x4 c4 = __builtin_shufflevector(c8, c8, 0, 2, 4, 6)
-                     | __builtin_shufflevector(c8, c8, 1, 3, 5, 7);
-    if (bits == 2) {
-        const u8x4 b = __builtin_convertvector(c4, u8x4);
-        memcpy(out, &b, sizeof b);
-        return;
-    }
-    const i32x2 c2 = __builtin_shufflevector(c4, c4, 0, 2) | __builtin_shufflevector(c4, c4, 1, 3);
-    const u8x2 b = __builtin_convertvector(c2, u8x2);
-    memcpy(out, &b, sizeof b);
 }
 
 /* The little-endian 32-bit word of the bytes p[0 .. 3] (on any host). */
@@ -429,39 +495,65 @@ static inline uint8_t quantize(float h, float u, float lo, float divisor, float 
     return (uint8_t)(int)t; /* t >= 0: truncation is the floor */
 }
 
-/* The codes of h[i] (i < n) packed into `codes`: 16 lanes at a time with the same float
- * operations as `quantize` (so the same codes) and packed in registers (`pack16`), the rest one
- * by one through the byte packing. always_inline with a constant `bits` (quantize_pack). Written
- * with vector types because the compiler leaves the plain loop scalar for the short maps of the
- * token layouts (16 tokens). */
+/* The codes of 16 residuals h with their uniforms u, lane-wise `quantize`. */
+static inline i32x16 quantize16(f32x16 h, f32x16 u, f32x16 vlo, f32x16 vdiv, f32x16 vmax) {
+    const f32x16 zero = {0};
+    f32x16 t = u + (h - vlo) / vdiv;
+    t = select16(t > zero, t, zero); /* NaN -> 0 */
+    t = select16(t < vmax, t, vmax);
+    return __builtin_convertvector(t, i32x16);
+}
+
+/* The codes of h[i] (i < n) packed into `codes`: 16 lanes at a time (`quantize16`, the float
+ * operations of `quantize`, so the same codes) packed in registers (`pack16`), the rest one by
+ * one through the byte packing. The uniforms come from u, or when u is NULL from gen, 16 per
+ * step in registers. ahead: NULL, or the next map's n floats, asked for one cache line per step
+ * (the hardware's stream prefetcher stops at each 4 KiB page, so the first rows of each page, a
+ * whole 32 x 32 map, would otherwise arrive at memory latency in the next map's first pass; here
+ * the loads overlap this loop's arithmetic). always_inline with a constant `bits`
+ * (quantize_pack). Written with vector types because the compiler leaves the plain loop scalar
+ * for the short maps of the token layouts (16 tokens). */
 static inline __attribute__((always_inline)) void quantize_pack_fixed(
-        int64_t n, const float *h, const float *u, float lo, float divisor, float qmax,
-        uint8_t *codes, const int bits) {
-    const f32x16 vlo = splat16(lo), vdiv = splat16(divisor), vmax = splat16(qmax), zero = {0};
+        int64_t n, const float *h, const float *u, noise16 *gen, const float *ahead, float lo,
+        float divisor, float qmax, uint8_t *codes, const int bits) {
+    const f32x16 vlo = splat16(lo), vdiv = splat16(divisor), vmax = splat16(qmax);
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
+        if (ahead) __builtin_prefetch(ahead + i);
         f32x16 hv, uv;
         memcpy(&hv, h + i, sizeof hv);
-        memcpy(&uv, u + i, sizeof uv);
-        f32x16 t = uv + (hv - vlo) / vdiv;
-        t = select16(t > zero, t, zero); /* NaN -> 0 */
-        t = select16(t < vmax, t, vmax);
-        pack16(__builtin_convertvector(t, i32x16), codes + i * bits / 8, bits);
+        if (u) memcpy(&uv, u + i, sizeof uv);
+        else uv = next_uniforms(gen);
+        pack16(quantize16(hv, uv, vlo, vdiv, vmax), codes + i * bits / 8, bits);
     }
     if (i == n) return;
+    float drawn[16];
+    if (!u) {
+        const f32x16 uv = next_uniforms(gen);
+        memcpy(drawn, &uv, sizeof uv);
+    }
+    const float *ut = u ? u + i : drawn;
     uint8_t q[16]; /* 16 codes are whole bytes at every bits: the tail starts on a byte */
-    for (int64_t k = 0; i + k < n; k++) q[k] = quantize(h[i + k], u[i + k], lo, divisor, qmax);
+    for (int64_t k = 0; i + k < n; k++) q[k] = quantize(h[i + k], ut[k], lo, divisor, qmax);
     pack_row(q, n - i, codes + i * bits / 8, bits);
 }
 
-static void quantize_pack(int64_t n, int bits, const float *h, const float *u, float lo,
-                          float divisor, float qmax, uint8_t *codes) {
+/* gen: the map's noise state, or NULL (then u). */
+static void quantize_pack(int64_t n, int bits, const float *h, const float *u, const noise16 *gen,
+                          const float *ahead, float lo, float divisor, float qmax,
+                          uint8_t *codes) {
+    noise16 s = {0}; /* a local copy, whose address no other path takes, stays in registers */
+    if (gen) s = *gen;
+#define QUANTIZE_AT(b)                                                                         \
+    (gen ? quantize_pack_fixed(n, h, NULL, &s, ahead, lo, divisor, qmax, codes, b)             \
+         : quantize_pack_fixed(n, h, u, NULL, ahead, lo, divisor, qmax, codes, b))
     switch (bits) {
-        case 1: quantize_pack_fixed(n, h, u, lo, divisor, qmax, codes, 1); break;
-        case 2: quantize_pack_fixed(n, h, u, lo, divisor, qmax, codes, 2); break;
-        case 4: quantize_pack_fixed(n, h, u, lo, divisor, qmax, codes, 4); break;
-        default: quantize_pack_fixed(n, h, u, lo, divisor, qmax, codes, 8);
+        case 1: QUANTIZE_AT(1); break;
+        case 2: QUANTIZE_AT(2); break;
+        case 4: QUANTIZE_AT(4); break;
+        default: QUANTIZE_AT(8);
     }
+#undef QUANTIZE_AT
 }
 
 /* The lane of v that a scan in lane order keeps when a lane replaces the running value only if
@@ -477,12 +569,12 @@ static inline float first_extreme(f32x8 v, int max) {
     return (max ? v[1] > v[0] : v[1] < v[0]) ? v[1] : v[0];
 }
 
-/* h: the map's residual (n floats); u: its uniforms. */
-static void quantize_map(int64_t n, int bits, const float *h, const float *u, uint16_t *lo_out,
-                         uint16_t *step_out, uint8_t *codes) {
-    /* 8 lanes of minima/maxima in GCC/Clang vector types (plain scalar code on a CPU without
-     * vectors); NaNs are skipped by the comparisons and counted apart: any NaN makes the map's
-     * min and max NaN, as torch.aminmax does. */
+/* The map's min and max as defined: 8 lanes (element i of the first n - n % 8 in lane i % 8),
+ * each scanned in order, a lane's value replaced only by one strictly below it (above it for
+ * the max), the lanes reduced by first_extreme, then the last n % 8 elements in order; NaNs
+ * skipped by the comparisons and counted apart: any NaN makes min and max NaN, as torch.aminmax
+ * does. Of -0 and +0 this keeps a defined one (lo's and step's sign bits depend on it). */
+static void scan_range(int64_t n, const float *h, float *mn_out, float *mx_out) {
     f32x8 lane_mn, lane_mx;
     i32x8 lane_nan = {0};
     for (int l = 0; l < 8; l++) lane_mn[l] = INFINITY, lane_mx[l] = -INFINITY;
@@ -502,7 +594,72 @@ static void quantize_map(int64_t n, int bits, const float *h, const float *u, ui
         mx = h[i] > mx ? h[i] : mx;
         nan |= h[i] != h[i];
     }
-    if (nan) mn = mx = NAN;
+    *mn_out = nan ? NAN : mn;
+    *mx_out = nan ? NAN : mx;
+}
+
+/* The smallest (largest with `max`) of the 16 lanes, in any order: halves folded together. */
+static inline float lanes_extreme(f32x16 v, int max) {
+    f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    f32x8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int width = 4; width >= 1; width /= 2) {
+        a = select(max ? b > a : b < a, b, a);
+        b = width == 4 ? __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3)
+            : width == 2 ? __builtin_shufflevector(a, a, 2, 3, 0, 1, 2, 3, 0, 1)
+                         : __builtin_shufflevector(a, a, 1, 0, 1, 0, 1, 0, 1, 0);
+    }
+    return (max ? b[0] > a[0] : b[0] < a[0]) ? b[0] : a[0];
+}
+
+/* scan_range's result, faster: 16 lanes in two independent chains, reduced in any order. Among
+ * the values that compare equal to the min (max) only -0 and +0 differ in their bits, so the
+ * order matters only when the min or max is zero: such a map (a dead ReLU channel, say) is
+ * rescanned by scan_range. */
+static void map_range(int64_t n, const float *h, float *mn_out, float *mx_out) {
+    f32x16 mn0 = splat16(INFINITY), mn1 = mn0, mx0 = splat16(-INFINITY), mx1 = mx0, a, b;
+    i32x16 nan = {0};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        memcpy(&a, h + i, sizeof a);
+        memcpy(&b, h + i + 16, sizeof b);
+        mn0 = select16(a < mn0, a, mn0);
+        mn1 = select16(b < mn1, b, mn1);
+        mx0 = select16(a > mx0, a, mx0);
+        mx1 = select16(b > mx1, b, mx1);
+        nan |= (a != a) | (b != b);
+    }
+    if (i + 16 <= n) {
+        memcpy(&a, h + i, sizeof a);
+        mn0 = select16(a < mn0, a, mn0);
+        mx0 = select16(a > mx0, a, mx0);
+        nan |= a != a;
+        i += 16;
+    }
+    float lo = lanes_extreme(select16(mn1 < mn0, mn1, mn0), 0);
+    float hi = lanes_extreme(select16(mx1 > mx0, mx1, mx0), 1);
+    int any_nan = any16(nan);
+    for (; i < n; i++) {
+        lo = h[i] < lo ? h[i] : lo;
+        hi = h[i] > hi ? h[i] : hi;
+        any_nan |= h[i] != h[i];
+    }
+    if (any_nan) {
+        *mn_out = *mx_out = NAN;
+    } else if (lo == 0.0f || hi == 0.0f) {
+        scan_range(n, h, mn_out, mx_out);
+    } else {
+        *mn_out = lo;
+        *mx_out = hi;
+    }
+}
+
+/* h: the map's residual (n floats); its uniforms: u, or when u is NULL drawn from gen; ahead:
+ * NULL or the next map's input, prefetched (quantize_pack_fixed). */
+static void quantize_map_with(int64_t n, int bits, const float *h, const float *u,
+                              const noise16 *gen, const float *ahead,
+                              uint16_t *lo_out, uint16_t *step_out, uint8_t *codes) {
+    float mn, mx;
+    map_range(n, h, &mn, &mx);
     const float qmax = (float)((1 << bits) - 1);
     const uint16_t lo = bf16_down(mn);
     const float lo_f = bf16_to_float(lo);
@@ -513,8 +670,21 @@ static void quantize_map(int64_t n, int bits, const float *h, const float *u, ui
     const float step_f = bf16_to_float(step);
     *lo_out = lo;
     *step_out = step;
-    quantize_pack(n, bits, h, u, lo_f, step_f == 0.0f ? 1.0f : step_f, qmax, codes);
+    quantize_pack(n, bits, h, u, gen, ahead, lo_f, step_f == 0.0f ? 1.0f : step_f, qmax, codes);
 }
+
+/* quantize_map_with given uniforms u (the token layouts' maps). */
+static void quantize_map(int64_t n, int bits, const float *h, const float *u, uint16_t *lo_out,
+                         uint16_t *step_out, uint8_t *codes) {
+    quantize_map_with(n, bits, h, u, NULL, NULL, lo_out, step_out, codes);
+}
+
+/* The most elements of a map that encode_small_maps takes (a 16 x 16 map). */
+#define SMALL_MAP 256
+
+static void encode_small_maps(const geometry *g, int64_t m0, int bits, const float *x,
+                              uint64_t seed, uint16_t *lfc, uint16_t *lo, uint16_t *step,
+                              uint8_t *codes, float *scratch);
 
 /* Encode the maps of x (float32, contiguous) described by geom (G_LEN values). lfc: bf16
  * (maps, nblocks), or NULL for the quant form (codes of x itself); lo, step: bf16 (maps,);
@@ -525,39 +695,44 @@ int freqact_division_encode(const int64_t *geom, int bits, const float *x, const
                             uint8_t *codes, int threads) {
     geometry g;
     if (make_geometry(&g, geom) != 0) return -1;
-    const int64_t maps = geom[G_MAPS];
+    const int64_t maps = geom[G_MAPS], W = g.size[2];
     const int block = lfc != NULL;
+    /* work units: groups of 16 small maps (encode_small_maps), then single maps */
+    const int64_t groups = !noise && g.numel <= SMALL_MAP ? maps / 16 : 0;
+    const int64_t units = groups + maps - 16 * groups;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *means = malloc((size_t)g.nblocks * sizeof(float));
-        float *colsum = malloc((size_t)g.size[2] * sizeof(float));
-        float *residual = malloc((size_t)g.numel * sizeof(float));
-        float *row = malloc((size_t)g.size[2] * sizeof(float));
-        /* + 16: splitmix_uniforms writes whole steps from an even element */
-        float *uniforms = noise ? NULL : malloc((size_t)(g.numel + 16) * sizeof(float));
-        if (!means || !colsum || !residual || !row || (!noise && !uniforms)) {
+        /* colsum (W), row (blk[1] * W), means (nb[2]) in one allocation; the residual */
+        float *rows = block ? malloc((size_t)((1 + g.blk[1]) * W + g.nb[2]) * sizeof(float))
+                            : NULL;
+        float *residual = block ? malloc((size_t)g.numel * sizeof(float)) : NULL;
+        float *lanes = groups ? malloc(4 * 16 * SMALL_MAP * sizeof(float)) : NULL;
+        if ((block && (!rows || !residual)) || (groups && !lanes)) {
             failed = 1;
         } else {
 #pragma omp for schedule(static)
-            for (int64_t m = 0; m < maps; m++) {
-                const float *xm = x + m * g.numel;
-                if (block) {
-                    block_means(&g, xm, colsum, lfc + m * g.nblocks, means);
-                    add_block_values(&g, xm, means, 1, row, residual);
+            for (int64_t unit = 0; unit < units; unit++) {
+                if (unit < groups) {
+                    encode_small_maps(&g, 16 * unit, bits, x, seed, lfc, lo, step, codes,
+                                      lanes);
+                    continue;
                 }
-                const float *u = noise ? noise + m * g.numel
-                                       : splitmix_uniforms(seed, (uint64_t)(m * g.numel),
-                                                           g.numel, uniforms);
-                quantize_map(g.numel, bits, block ? residual : xm, u, lo + m, step + m,
-                             codes + m * g.code_bytes);
+                const int64_t m = 16 * groups + unit - groups;
+                const float *xm = x + m * g.numel;
+                if (block)
+                    block_residual(&g, xm, rows, rows + W, rows + (1 + g.blk[1]) * W,
+                                   lfc + m * g.nblocks, residual);
+                noise16 gen = noise_at(seed, (uint64_t)(m * g.numel));
+                quantize_map_with(g.numel, bits, block ? residual : xm,
+                                  noise ? noise + m * g.numel : NULL, noise ? NULL : &gen,
+                                  m + 1 < maps ? xm + g.numel : NULL, lo + m, step + m,
+                                  codes + m * g.code_bytes);
             }
         }
-        free(means);
-        free(colsum);
+        free(rows);
         free(residual);
-        free(row);
-        free(uniforms);
+        free(lanes);
     }
     free_geometry(&g);
     return failed ? -1 : 0;
@@ -616,7 +791,7 @@ static void redo_at_quarter_scale(const geometry *g, const uint16_t *lfc, float 
     for (int64_t b = 0; b < g->nblocks; b++)
         base[b] = lfc ? bf16_to_float(lfc[b]) * 0.25f + lo_f * 0.25f : lo_f * 0.25f;
     for (int64_t i = 0; i < g->numel; i++) scaled[i] = (float)q[i] * (step_f * 0.25f);
-    add_block_values(g, scaled, base, 0, row, scaled);
+    add_block_values(g, scaled, base, row, scaled);
     for (int64_t i = 0; i < g->numel; i++) {
         if (isfinite(out[i]) || !isfinite(scaled[i])) continue;
         const float v = scaled[i] * 4.0f;
@@ -638,22 +813,23 @@ static void apply_positive(const uint8_t *positive, int64_t first, int64_t n, fl
     int64_t i = 0;
     for (; i < n && ((first + i) & 7); i++)  /* up to a byte boundary */
         out[i] = positive_or_zero(bit_at(positive, first + i), out[i], tiny);
-    /* then a byte's 8 elements at a time, in lanes (a branch per element on a random mask
+    /* then two bytes' 16 elements at a time, in lanes (a branch per element on a random mask
      * mispredicts half the time: 3 ns per element) */
-    const i32x8 lane_bits = {1, 2, 4, 8, 16, 32, 64, 128};
-    const f32x8 tinies = {tiny, tiny, tiny, tiny, tiny, tiny, tiny, tiny}, zeros = {0};
-    for (; i + 8 <= n; i += 8) {
-        f32x8 v;
+    const f32x16 tinies = splat16(tiny), zeros = {0};
+    for (; i + 16 <= n; i += 16) {
+        f32x16 v;
         memcpy(&v, out + i, sizeof v);
-        v = select(v < tinies, tinies, v); /* NaN compares false: kept */
-        v = select((lane_bits & (int32_t)positive[(first + i) >> 3]) != 0, v, zeros);
+        v = select16(v < tinies, tinies, v); /* NaN compares false: kept */
+        v = select16(unpack16(positive + ((first + i) >> 3), 1) != 0, v, zeros);
         memcpy(out + i, &v, sizeof v);
     }
     for (; i < n; i++) out[i] = positive_or_zero(bit_at(positive, first + i), out[i], tiny);
 }
 
 /* out = q * step + (float(lfc) + lo) per element, float32 (maps, numel), for the maps that geom
- * describes; lfc NULL: the quant form. A sum that overflows float32 while its quarter-scale sum
+ * describes; lfc NULL: the quant form. A map of one block (and every quant map) is one pass
+ * (dequantize_codes with lo = its base); others dequantize into out, then add their blocks'
+ * bases row by row in L1. A sum that overflows float32 while its quarter-scale sum
  * q * (step / 4) + base / 4 is finite becomes that sum times 4, saturated at +-FLT_MAX (the edge
  * rule of the reference). positive: NULL, or a ReLU output's mask (`apply_positive`, in the
  * same pass). Returns 0, or -1 if scratch memory ran out. */
@@ -667,10 +843,10 @@ int freqact_division_decode(const int64_t *geom, int bits, const uint16_t *lfc,
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float *base = malloc((size_t)g.nblocks * sizeof(float));
-        uint8_t *q = malloc((size_t)g.numel);
-        float *scaled = malloc((size_t)g.numel * sizeof(float));
         float *row = malloc((size_t)g.size[2] * sizeof(float));
-        if (!base || !q || !scaled || !row) {
+        uint8_t *q = malloc((size_t)g.numel); /* q, scaled: the edge rule's scratch */
+        float *scaled = malloc((size_t)g.numel * sizeof(float));
+        if (!base || !row || !q || !scaled) {
             failed = 1;
         } else {
 #pragma omp for schedule(static)
@@ -679,11 +855,14 @@ int freqact_division_decode(const int64_t *geom, int bits, const uint16_t *lfc,
                 for (int64_t b = 0; b < g.nblocks; b++)
                     base[b] = lfc ? bf16_to_float(lfc[m * g.nblocks + b]) + lo_f : lo_f;
                 const uint8_t *cm = codes + m * g.code_bytes;
-                dequantize_codes(cm, g.numel, bits, 0.0f, step_f, 0, scaled);
                 float *o = out + m * g.numel;
-                add_block_values(&g, scaled, base, 0, row, o);
-                int overflow = 0;
-                for (int64_t i = 0; i < g.numel; i++) overflow |= !isfinite(o[i]);
+                int overflow;
+                if (g.nblocks == 1) {
+                    overflow = dequantize_codes(cm, g.numel, bits, base[0], step_f, 1, o);
+                } else {
+                    dequantize_codes(cm, g.numel, bits, 0.0f, step_f, 0, o);
+                    overflow = add_block_values(&g, o, base, row, o);
+                }
                 if (overflow) {
                     unpack_row(cm, g.numel, q, bits);
                     redo_at_quarter_scale(&g, lfc ? lfc + m * g.nblocks : NULL, lo_f, step_f, q,
@@ -733,38 +912,59 @@ void freqact_unpack_codes(int64_t rows, int64_t count, int bits, const uint8_t *
 
 /* --- 1-bit masks of float tensors ------------------------------------------------------------ */
 
-/* Elements per task: its bytes of bits stay in L1 between the compare and the packing. */
+/* Elements per task (a multiple of 16: each task's lane steps start on a whole byte). */
 #define MASK_CHUNK 4096
 
-/* Bit i (bit i % 8 of byte i / 8) = lower < x[i] (and x[i] < upper when bounded), n elements. */
+/* The mask bits of the 16 floats at p, one per lane (1 or 0): lower < p[l] (and p[l] < upper
+ * when bounded); NaN gives 0. */
+static inline i32x16 mask16(const float *p, f32x16 lower, int bounded, f32x16 upper) {
+    f32x16 v;
+    memcpy(&v, p, sizeof v);
+    const i32x16 bit = v > lower;
+    return (bounded ? bit & (v < upper) : bit) & 1;
+}
+
+/* Bit i (bit i % 8 of byte i / 8) = lower < x[i] (and x[i] < upper when bounded), n elements:
+ * 16 compares in lanes packed in registers per step (pack16); the last count % 16 of the tensor
+ * through a NaN-padded copy (NaN sets no bit, so the last byte's unused bits stay 0). */
 void freqact_pack_mask(int64_t n, const float *x, float lower, int bounded, float upper,
                        uint8_t *out, int threads) {
     const int64_t chunks = (n + MASK_CHUNK - 1) / MASK_CHUNK;
+    const f32x16 lo16 = splat16(lower), up16 = splat16(upper);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t first = c * MASK_CHUNK, count = n - first < MASK_CHUNK ? n - first : MASK_CHUNK;
-        uint8_t bits[MASK_CHUNK];
         const float *xc = x + first;
-        if (bounded) {
-            for (int64_t i = 0; i < count; i++) bits[i] = (xc[i] > lower) & (xc[i] < upper);
-        } else {
-            for (int64_t i = 0; i < count; i++) bits[i] = xc[i] > lower;
+        uint8_t *oc = out + first / 8;
+        int64_t i = 0;
+        for (; i + 16 <= count; i += 16) pack16(mask16(xc + i, lo16, bounded, up16), oc + i / 8, 1);
+        if (i < count) {
+            float pad[16];
+            uint8_t bytes[2];
+            for (int k = 0; k < 16; k++) pad[k] = i + k < count ? xc[i + k] : NAN;
+            pack16(mask16(pad, lo16, bounded, up16), bytes, 1);
+            memcpy(oc + i / 8, bytes, (size_t)(count - i + 7) / 8);
         }
-        pack_row(bits, count, out + first / 8, 1);
     }
 }
 
-/* out[i] = bit i ? on : off, float32, n elements. */
+/* out[i] = bit i ? on : off, float32, n elements: 16 bits unpacked in registers per step
+ * (unpack16). */
 void freqact_unpack_mask(int64_t n, const uint8_t *packed, float off, float on, float *out,
                          int threads) {
     const int64_t chunks = (n + MASK_CHUNK - 1) / MASK_CHUNK;
+    const f32x16 on16 = splat16(on), off16 = splat16(off);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t first = c * MASK_CHUNK, count = n - first < MASK_CHUNK ? n - first : MASK_CHUNK;
-        uint8_t bits[MASK_CHUNK];
-        unpack_row(packed + first / 8, count, bits, 1);
+        const uint8_t *pc = packed + first / 8;
         float *oc = out + first;
-        for (int64_t i = 0; i < count; i++) oc[i] = bits[i] ? on : off;
+        int64_t i = 0;
+        for (; i + 16 <= count; i += 16) {
+            const f32x16 v = select16(unpack16(pc + i / 8, 1) != 0, on16, off16);
+            memcpy(oc + i, &v, sizeof v);
+        }
+        for (; i < count; i++) oc[i] = bit_at(pc, i) ? on : off;
     }
 }
 
@@ -1498,4 +1698,71 @@ int freqact_token_decode(const int64_t *geom, int bits, const uint16_t *lfc, con
     }
     free(block_of);
     return failed ? -1 : 0;
+}
+
+
+/* --- small maps 16 at a time (the map encode, on the token layouts' column kernels) -----------
+ *
+ * A map of few elements (4 x 4, 8 x 8, 16 x 16) spends much of a per-map encode in loop and
+ * call overhead and in long dependent chains of float operations. 16 such maps drawing their
+ * own noise are transposed into an n x 16 panel, one map per lane, for their block sums and
+ * residual in lanes and then quantize_lanes: 16 maps of n elements at a stride of 16 floats,
+ * lane l being the encode's map m0 + l, drawing the uniforms of the map's elements in the
+ * stream. Per lane these are the per-map path's float operations in its order (the same bytes;
+ * quantize_lanes keeps quantize_map's min/max choices). */
+
+/* Encode maps m0 .. m0 + 15 of x, each of n <= SMALL_MAP elements. scratch: 4 * 16 * SMALL_MAP
+ * floats (the panel, its residual, the block means in lanes, a row of them spread). */
+static void encode_small_maps(const geometry *g, int64_t m0, int bits, const float *x,
+                              uint64_t seed, uint16_t *lfc, uint16_t *lo, uint16_t *step,
+                              uint8_t *codes, float *scratch) {
+    float *xt = scratch, *ht = xt + 16 * SMALL_MAP, *means = ht + 16 * SMALL_MAP;
+    float *mrow = means + 16 * SMALL_MAP;
+    const int64_t n = g->numel, H = g->size[1], W = g->size[2], bw = g->blk[2];
+    const float *xm = x + m0 * n;
+    transpose(xm, 16, n, n, xt);
+    const float *h = xt;
+    if (lfc) {
+        /* block_residual's sums per block: per column 0 + its rows in order, then 0 + the
+         * columns */
+        for (int64_t b = 0; b < g->nblocks; b++) {
+            const int64_t j = b % g->nb[2], hb = b / g->nb[2] % g->nb[1];
+            const int64_t db = b / g->nb[2] / g->nb[1];
+            int64_t lo3[3] = {db * g->blk[0], hb * g->blk[1], j * bw}, hi3[3];
+            for (int k = 0; k < 3; k++)
+                hi3[k] = lo3[k] + g->blk[k] < g->size[k] ? lo3[k] + g->blk[k] : g->size[k];
+            f32x16 sum = {0};
+            for (int64_t w = lo3[2]; w < hi3[2]; w++) {
+                f32x16 col = {0};
+                for (int64_t d = lo3[0]; d < hi3[0]; d++)
+                    for (int64_t r = d * H + lo3[1]; r < d * H + hi3[1]; r++) {
+                        f32x16 v;
+                        memcpy(&v, xt + (r * W + w) * 16, sizeof v);
+                        col += v;
+                    }
+                sum += col;
+            }
+            for (int l = 0; l < 16; l++) {
+                float mean = sum[l] / g->counts[b];
+                if (!isfinite(sum[l]))
+                    mean = scaled_block_mean(g, xm + l * n, lo3, hi3, sum[l], g->counts[b]);
+                const uint16_t v = bf16_nearest(mean);
+                lfc[(m0 + l) * g->nblocks + b] = v;
+                means[b * 16 + l] = bf16_to_float(v);
+            }
+        }
+        /* per row, its 16 lanes' block means spread over its W columns (rebuilt when the block
+         * row changes), then one residual_row call over the row's W x 16 floats */
+        for (int64_t r = 0, current = -1; r < n / W; r++) {
+            if (g->row_blocks[r] != current) {
+                current = g->row_blocks[r];
+                for (int64_t w = 0; w < W; w++)
+                    memcpy(mrow + w * 16, means + (current * g->nb[2] + w / bw) * 16,
+                           16 * sizeof(float));
+            }
+            residual_row(xt + r * W * 16, mrow, W * 16, ht + r * W * 16);
+        }
+        h = ht;
+    }
+    quantize_lanes(m0, n, g->code_bytes, bits, h, 16, seed, lo, step, codes);
 }

@@ -68,6 +68,40 @@ def test_own_noise_is_the_documented_splitmix_stream(shape):
     assert_same_bytes(got, want)
 
 
+def own_noise_against_torch(x, block, bits, seed):
+    """The C encode drawing its own noise from seed, checked against the torch reference given
+    that noise (the documented stream); returns (got, want)."""
+    noise = splitmix_uniforms(seed, x.numel()).reshape(x.shape)
+    lfc, lo, step, codes = cpu.encode(x, fmt.geometry(x.shape, block), bits, None, seed)
+    if block is None:
+        got = fmt.QuantPacked(lo, step, codes, x.shape, x.dtype, bits)
+        want = K.quantize_encode(x, bits, noise, backend="torch")
+    else:
+        got = fmt.DivisionPacked(lfc, lo, step, codes, x.shape, x.dtype, block, bits)
+        want = K.division_encode(x, block, bits, noise, backend="torch")
+        # a NaN mean's payload is torch's own (a one-element NaN block): compared as values
+        torch.testing.assert_close(got.lfc, want.lfc, rtol=0, atol=0, equal_nan=True)
+    assert_same_bytes(got, want, ("lo", "step", "codes"))
+    return got, want
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("block", [None, 64, 4], ids=["quant", "one-block", "blocks"])
+def test_small_maps_sixteen_at_a_time_give_the_per_map_bytes(bits, block):
+    # Maps of at most 256 elements go 16 at a time in lanes (encode_small_maps): 38 maps are two
+    # groups and 6 maps of the per-map path; odd lengths start every other map at an odd element
+    # of the noise stream; block 4 gives maps of several blocks (edge blocks included).
+    seed = 0x5EED5EED5EED5EED
+    gen = torch.Generator().manual_seed(bits)
+    for shape in [(2, 19, 1), (2, 19, 7), (2, 19, 15), (2, 19, 16), (2, 19, 4, 4),
+                  (1, 38, 8, 8), (1, 38, 3, 5), (1, 38, 16, 16), (1, 38, 2, 7, 9)]:
+        x = dyadic(shape, torch.float32, gen)
+        flat = x.view(x.shape[0] * x.shape[1], -1)
+        flat[3, 0], flat[20, -1], flat[21, 0] = float("nan"), float("inf"), -float("inf")
+        flat[22] = 0.5  # a constant map: step 0
+        own_noise_against_torch(x, block, bits, seed)
+
+
 # Map lengths around the kernels' vector widths: 8 lanes for the min/max, 16 for the quantise,
 # pack, unpack and dequantise steps and for the 8 SplitMix64 draws of one noise step; odd lengths
 # start every other map at an odd element of the noise stream (its pair straddles two maps).
@@ -82,17 +116,7 @@ def test_map_lengths_around_the_vector_widths_own_noise_and_edges(bits, block):
     for n in LENGTHS:
         x = dyadic((2, 3, n), torch.float32, gen)
         x[1, 0, n // 2], x[1, 1, 0], x[1, 2, n - 1] = float("nan"), float("inf"), -float("inf")
-        noise = splitmix_uniforms(seed, x.numel()).reshape(x.shape)
-        lfc, lo, step, codes = cpu.encode(x, fmt.geometry(x.shape, block), bits, None, seed)
-        if block is None:
-            got = fmt.QuantPacked(lo, step, codes, x.shape, x.dtype, bits)
-            want = K.quantize_encode(x, bits, noise, backend="torch")
-        else:
-            got = fmt.DivisionPacked(lfc, lo, step, codes, x.shape, x.dtype, block, bits)
-            want = K.division_encode(x, block, bits, noise, backend="torch")
-            # a NaN mean's payload is torch's own (a one-element NaN block): compared as values
-            torch.testing.assert_close(got.lfc, want.lfc, rtol=0, atol=0, equal_nan=True)
-        assert_same_bytes(got, want, ("lo", "step", "codes"))
+        got, want = own_noise_against_torch(x, block, bits, seed)
         torch.testing.assert_close(K.division_decode(got, backend="cpu"),
                                    K.division_decode(want, backend="torch"), rtol=0, atol=0,
                                    equal_nan=True)

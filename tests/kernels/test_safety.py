@@ -63,7 +63,10 @@ def test_huge_block_is_one_block_per_map_not_a_wrapped_int():
 
 _ASAN_DRIVER = textwrap.dedent("""
     import torch, freqact.kernels as K
-    for shape in [(1, 1, 1), (2, 13), (3, 1, 7, 9), (1, 2, 3, 9, 17), (2, 3, 8, 8)]:
+    # (2, 17, 4, 4), (1, 35, 3, 5), (1, 17, 16, 16): small maps 16 at a time in lanes, and the
+    # rest one by one
+    for shape in [(1, 1, 1), (2, 13), (3, 1, 7, 9), (1, 2, 3, 9, 17), (2, 3, 8, 8), (2, 17, 4, 4),
+                  (1, 35, 3, 5), (1, 17, 16, 16)]:
         x = torch.randn(shape)
         for bits in (1, 2, 4, 8):
             for block in (1, 3, 8, 2**64 + 2):
