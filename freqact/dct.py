@@ -7,10 +7,11 @@ Conventions follow `scipy.fft.dctn(type=2, norm="ortho")`: for a length-N axis t
 Every transform here is a separable linear map: one small (N x N) matrix applied along each
 transformed axis. The matrices are built once per (size, dtype, device) in float64 and cached. A
 matmul is chosen for simplicity, exactness and autograd, not as the fastest DCT; the C fast path
-below is about 2-3x as fast as scipy's FFT DCT at 32 x 32 and 56 x 56 on an idle machine, depending
-on the run and on whether the two take turns or run alone (2 threads, `python -m
-benchmarks.dct_bench`; README gives the runs), and FFT DCTs in torch are ~10x slower. float16/bfloat16 inputs are computed
-in float32 (their own precision would lose ~3 digits per axis) and cast back.
+below is about 2-3x as fast as scipy's FFT DCT at 32 x 32 and 56 x 56 on an idle machine,
+depending on the run and on whether the two take turns or run alone (2 threads, `python -m
+benchmarks.dct_bench`; README gives the runs), and FFT DCTs in torch are ~10x slower.
+float16/bfloat16 inputs are computed in float32 (their own precision would lose ~3 digits per
+axis) and cast back.
 
 Fast path: float32 (and half) CPU work over the last 1 or 2 dims that needs no gradient (no input
 requires grad, or grad mode is off: inside the codecs, analyses under no_grad) runs in the fused C
