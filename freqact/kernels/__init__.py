@@ -84,11 +84,11 @@ def backend_for(t: torch.Tensor, backend: str | None = None) -> str:
         RuntimeError: if "triton" is asked for and triton cannot be imported, or "cpu" and the C
             kernels cannot be built.
     """
-    choice = os.environ.get("FREQACT_KERNELS", "auto") if backend is None else backend
-    if choice == "auto" and t.device.type == "cpu" and _cpu_kernels_available():
-        return "cpu"  # the common case first: asked at every encode and decode
-    choice = _validate.choice("backend" if backend is not None else "FREQACT_KERNELS", choice,
-                              BACKENDS)
+    if backend is None:
+        choice = _validate.choice("FREQACT_KERNELS", os.environ.get("FREQACT_KERNELS", "auto"),
+                                  BACKENDS)
+    else:
+        choice = _validate.choice("backend", backend, BACKENDS)
     if choice == "auto":
         if t.is_cuda:
             return "triton" if _triton_importable() else "torch"
