@@ -457,12 +457,8 @@ static void stream_fence(void) {
  * thread the scheduler left behind on shared cores holds up neither the populating nor the
  * transform, which starts as soon as its thread runs out of chunks (a page written before its
  * chunk is populated faults in as it would have without). The transform loops end without a
- * barrier too (nowait: what follows them is per thread), so the end of the team is the one wait.
- * (128, 64, 32, 32) at two threads on a loaded machine (2026-12-02 01:16 UTC, load 3.8-4.1 on 2
- * CPUs, 40 calls of each build in turns, both orders; ctypes): median 55.5-55.9 -> 36.0-43.4 ms
- * fresh, 47.7-51.7 -> 31.7-35.3 ms into a reused buffer, against the advice in an `omp single`
- * and a static share per thread, with a barrier after each and after the transform loop. Advice
- * only: where THP is off, the kernel is older, or the pages are already there, nothing changes
+ * barrier too (nowait: what follows them is per thread), so the end of the team is the one wait
+ * (docs/ARCHITECTURE.md gives the A/B against barriers after a static share). Advice only: where THP is off, the kernel is older, or the pages are already there, nothing changes
  * but the time. */
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
@@ -516,11 +512,12 @@ int freqact_dct(int64_t maps, int64_t h, int64_t w, const float *src, float *dst
     if (make_plans(&ph, &pw, h, w))
         return -1;
     int failed = 0;
-    advise_huge(dst, maps * h * w * (int64_t)sizeof(float));
+    const int64_t bytes = maps * h * w * (int64_t)sizeof(float);
+    advise_huge(dst, bytes);
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        prefault(dst, maps * h * w * (int64_t)sizeof(float));
-        const int stream = maps * h * w * (int64_t)sizeof(float) >= STREAM_BYTES;
+        prefault(dst, bytes);
+        const int stream = bytes >= STREAM_BYTES;
         const size_t map = stream ? (size_t)(h * w) : 0; /* the map before it is streamed */
         float *tmp = malloc((scratch_floats(h, w) + map) * sizeof(float));
         failed = tmp == NULL;
@@ -778,12 +775,13 @@ static int corner_maps(enum corner_job job, int64_t maps, int64_t h, int64_t w, 
     const size_t low_size = job == HIGHPASS ? (size_t)(h * w) : 0; /* the low-pass map */
     const size_t scratch_size = low_size + (size_t)corner +
                                 (is_narrow ? narrow_scratch_floats(wh) : (size_t)(wh * w));
-    const int stream = maps * out * (int64_t)sizeof(float) >= STREAM_BYTES;
+    const int64_t bytes = maps * out * (int64_t)sizeof(float);
+    const int stream = bytes >= STREAM_BYTES;
     int failed = 0, overflow = 0;
-    advise_huge(dst, maps * out * (int64_t)sizeof(float));
+    advise_huge(dst, bytes);
 #pragma omp parallel num_threads(threads) reduction(| : failed, overflow)
     {
-        prefault(dst, maps * out * (int64_t)sizeof(float));
+        prefault(dst, bytes);
         float *scratch = malloc(scratch_size * sizeof(float));
         failed = scratch == NULL;
 #pragma omp for schedule(dynamic, 8) nowait

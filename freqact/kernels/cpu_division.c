@@ -613,11 +613,12 @@ static inline float lanes_extreme(f32x16 v, int max) {
 
 /* scan_range's result, faster: 16 lanes in two independent chains, reduced in any order. Among
  * the values that compare equal to the min (max) only -0 and +0 differ in their bits, so the
- * order matters only when the min or max is zero: such a map (a dead ReLU channel, say) is
- * rescanned by scan_range. */
+ * order matters only when the min or max is zero and the map holds a -0: only such a map is
+ * rescanned by scan_range (a ReLU map's zeros are +0: its min of 0 needs no second pass). */
 static void map_range(int64_t n, const float *h, float *mn_out, float *mx_out) {
     f32x16 mn0 = splat16(INFINITY), mn1 = mn0, mx0 = splat16(-INFINITY), mx1 = mx0, a, b;
-    i32x16 nan = {0};
+    i32x16 nan = {0}, negzero = {0}, ai, bi;
+    const i32x16 sign = (i32x16){0} + INT32_MIN; /* the bits of -0.0f */
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
         memcpy(&a, h + i, sizeof a);
@@ -627,25 +628,31 @@ static void map_range(int64_t n, const float *h, float *mn_out, float *mx_out) {
         mx0 = select16(a > mx0, a, mx0);
         mx1 = select16(b > mx1, b, mx1);
         nan |= (a != a) | (b != b);
+        memcpy(&ai, &a, sizeof ai);
+        memcpy(&bi, &b, sizeof bi);
+        negzero |= (ai == sign) | (bi == sign);
     }
     if (i + 16 <= n) {
         memcpy(&a, h + i, sizeof a);
         mn0 = select16(a < mn0, a, mn0);
         mx0 = select16(a > mx0, a, mx0);
         nan |= a != a;
+        memcpy(&ai, &a, sizeof ai);
+        negzero |= ai == sign;
         i += 16;
     }
     float lo = lanes_extreme(select16(mn1 < mn0, mn1, mn0), 0);
     float hi = lanes_extreme(select16(mx1 > mx0, mx1, mx0), 1);
-    int any_nan = any16(nan);
+    int any_nan = any16(nan), any_negzero = any16(negzero);
     for (; i < n; i++) {
         lo = h[i] < lo ? h[i] : lo;
         hi = h[i] > hi ? h[i] : hi;
         any_nan |= h[i] != h[i];
+        any_negzero |= h[i] == 0.0f && signbit(h[i]);
     }
     if (any_nan) {
         *mn_out = *mx_out = NAN;
-    } else if (lo == 0.0f || hi == 0.0f) {
+    } else if (any_negzero && (lo == 0.0f || hi == 0.0f)) {
         scan_range(n, h, mn_out, mx_out);
     } else {
         *mn_out = lo;
@@ -723,7 +730,7 @@ int freqact_division_encode(const int64_t *geom, int bits, const float *x, const
                 if (block)
                     block_residual(&g, xm, rows, rows + W, rows + (1 + g.blk[1]) * W,
                                    lfc + m * g.nblocks, residual);
-                noise16 gen = noise_at(seed, (uint64_t)(m * g.numel));
+                noise16 gen = noise ? (noise16){0} : noise_at(seed, (uint64_t)(m * g.numel));
                 quantize_map_with(g.numel, bits, block ? residual : xm,
                                   noise ? noise + m * g.numel : NULL, noise ? NULL : &gen,
                                   m + 1 < maps ? xm + g.numel : NULL, lo + m, step + m,
@@ -1279,7 +1286,7 @@ static void panel_residual(const int64_t *g, const float *src, float *p, uint16_
  * down 16 columns of the residual panel in place, `tok` maps (token rows) from a 16-row strip
  * transposed to 16 columns; the rest (maps % 16) one by one by quantize_map. No per-map
  * reductions and no uniforms written to memory. Per lane these are quantize_map's float
- * operations in its order (the same bytes): min/max in 8 phase accumulators (element e of the
+ * operations (the same bytes; min/max as scan_range keeps them): min/max in 8 phase accumulators (element e of the
  * first n - n % 8 in phase e % 8) reduced as first_extreme reduces its lanes, then the tail
  * elements in order; the uniforms are those of the map's elements in the stream, drawn per
  * lane. */
@@ -1338,7 +1345,7 @@ static inline void reduce_phases(f32x16 *mn, f32x16 *mx) {
 }
 
 /* min and max of 16 maps of n elements in lanes (element e of all 16 at p + e * stride), NaN
- * where a map has one, in quantize_map's order. The 8 phases are unrolled so that their
+ * where a map has one, in scan_range's order. The 8 phases are unrolled so that their
  * accumulators stay in registers (indexed by e % 8 they were kept on the stack: a store and a
  * reload per element). */
 static void lanes_range(const float *p, int64_t n, int64_t stride, f32x16 *mn_out,
@@ -1453,10 +1460,7 @@ static inline __attribute__((always_inline)) void quantize_lanes_fixed(
             for (int e = 0; e < 2 && w0 + k + e < n; e++) {
                 f32x16 h;
                 memcpy(&h, p + (w0 + k + e) * stride, sizeof h);
-                f32x16 q = u[e] + (h - lo_f) / div;
-                q = select16(q > zero, q, zero); /* NaN -> 0 */
-                q = select16(q < qmax, q, qmax);
-                word |= (u32x16)__builtin_convertvector(q, i32x16) << (uint32_t)((k + e) * bits);
+                word |= (u32x16)quantize16(h, u[e], lo_f, div, qmax) << (uint32_t)((k + e) * bits);
             }
         }
         const int64_t at = w0 / per_word * 4;
@@ -1709,7 +1713,7 @@ int freqact_token_decode(const int64_t *geom, int bits, const uint16_t *lfc, con
  * residual in lanes and then quantize_lanes: 16 maps of n elements at a stride of 16 floats,
  * lane l being the encode's map m0 + l, drawing the uniforms of the map's elements in the
  * stream. Per lane these are the per-map path's float operations in its order (the same bytes;
- * quantize_lanes keeps quantize_map's min/max choices). */
+ * quantize_lanes keeps scan_range's min/max choices). */
 
 /* Encode maps m0 .. m0 + 15 of x, each of n <= SMALL_MAP elements. scratch: 4 * 16 * SMALL_MAP
  * floats (the panel, its residual, the block means in lanes, a row of them spread). */
