@@ -23,6 +23,7 @@ The memory cases use random inputs of the batch's shape (bytes depend on shapes 
 
     python -m benchmarks.architectures --data-dir ../shared/data    # -> results/architectures-cpu.json
     python -m benchmarks.architectures --quick                      # seconds: tiny models
+    python -m benchmarks.architectures --families vit swin gpt --batch 64 --out X.json  # larger batch
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -93,8 +94,10 @@ QUICK = (
 )
 
 
-def _cases(quick: bool) -> dict[str, Case]:
-    return {c.family: c for c in (QUICK if quick else CASES)}
+def _cases(quick: bool, batch: int | None = None) -> dict[str, Case]:
+    """The families' cases, each at `batch` when given (else its own)."""
+    return {c.family: c if batch is None else replace(c, batch=batch)
+            for c in (QUICK if quick else CASES)}
 
 
 def random_batch(case: Case, model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,9 +160,10 @@ def measure_memory(case: Case, mode: str) -> dict:
     return {"held_bytes": held, "meter_bytes": metered}
 
 
-def _memory_in_fresh_process(family: str, mode: str, quick: bool) -> dict:
+def _memory_in_fresh_process(case: Case, mode: str, quick: bool) -> dict:
     return json_from_fresh_process("benchmarks.architectures",
-                                   ["--memory-case", family, mode, *(["--quick"] if quick else [])],
+                                   ["--memory-case", case.family, mode, "--batch", str(case.batch),
+                                    *(["--quick"] if quick else [])],
                                    env=FRESH_MEMORY_ENV)
 
 
@@ -188,7 +192,7 @@ def measure_case(case: Case, data_dir: str | None, rounds: int, quick: bool) -> 
     plain, _ = gradients(model, x, y, "normal")
     exact, exact_meter = gradients(model, x, y, "exact")
     approx, meter = gradients(model, x, y, "division")
-    memory = {mode: _memory_in_fresh_process(case.family, mode, quick) for mode in MODES}
+    memory = {mode: _memory_in_fresh_process(case, mode, quick) for mode in MODES}
     held = {mode: memory[mode]["held_bytes"] for mode in MODES}
     return {
         "family": case.family, "model": case.model, "options": case.options, "batch": case.batch,
@@ -235,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"only these ({', '.join(c.family for c in CASES)}; default all)")
     parser.add_argument("--data-dir", default=None,
                         help="CIFAR-10's parent folder (default $FREQACT_DATA, else ../shared/data)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="every family at this batch (default: each its own, the table's)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="timed rounds per step time (default 3, --quick 1)")
     parser.add_argument("--out", default=None, help="results JSON (default results/"
@@ -242,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-case", nargs=2, metavar=("FAMILY", "MODE"),
                         help=argparse.SUPPRESS)  # internal: one memory case, JSON on stdout
     args = parser.parse_args(argv)
-    cases = _cases(args.quick)
+    if args.batch is not None and args.batch < 1:
+        parser.error(f"--batch: expected an integer >= 1, got {args.batch}")
+    cases = _cases(args.quick, args.batch)
     if args.memory_case:
         family, mode = args.memory_case
         print(json.dumps(measure_memory(cases[family], mode)))
@@ -266,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out or not args.quick:
         path = Path(args.out) if args.out else RESULTS_DIR / "architectures-cpu.json"
         written = write_results(path.stem, {"settings": {"division": DIVISION, "rounds": rounds,
-                                                         "quick": args.quick, "dtype": "float32"},
+                                                         "quick": args.quick, "dtype": "float32",
+                                                         "batch": args.batch},
                                             "rows": rows}, directory=path.parent)
         print(f"wrote {written}")
     return 0

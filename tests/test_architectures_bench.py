@@ -22,10 +22,14 @@ def test_quick_benchmark_fills_every_column(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PYTHONPATH", str(architectures.REPO_ROOT))  # the fresh processes' import
     out = tmp_path / "arch.json"
     assert architectures.main(["--quick", "--families", "vit", "gpt", "--data-dir", _data_dir(),
-                               "--out", str(out)]) == 0
+                               "--batch", "3", "--out", str(out)]) == 0
     rows = {r["family"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"vit", "gpt"}
     for row in rows.values():
+        # --batch reaches the fresh memory processes too: their meter counts the bytes (which
+        # depend on shapes, bar a few label bytes) of this process's forward of the real batch
+        assert row["batch"] == 3
+        assert row["meter_bytes"]["division"] == pytest.approx(row["saved_bytes"], rel=0.01)
         assert row["exact_meter_ratio"] == pytest.approx(1.0)
         assert row["exact_grads_identical"]
         # division stores fewer bytes than it would hold exactly, and its gradient points the
@@ -35,6 +39,13 @@ def test_quick_benchmark_fills_every_column(tmp_path, monkeypatch, capsys):
         assert row["held_bytes"]["normal"] > 0 and row["step_ratio"] > 0
         assert set(row["goals"]) == {"memory", "meter_agrees", "step_time"}
     assert "family" in capsys.readouterr().out
+
+
+def test_batch_below_one_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        architectures.main(["--quick", "--batch", "0"])
+    assert exit_.value.code == 2 and "--batch: expected an integer >= 1, got 0" in (
+        capsys.readouterr().err)
 
 
 def test_unknown_family_is_refused(capsys):
