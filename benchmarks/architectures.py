@@ -1,7 +1,8 @@
 """DIVISION on every family of the zoo, side by side (issue 14.4): memory, gradient and time.
 
 For each family (CIFAR ResNet-18, ViT, Swin, ConvNeXt, MobileNetV3, the GPT/Llama-style `gpt`),
-at the zoo's default size, one batch each, fp32, `division` B=8 Q=2:
+at the zoo's default size, and the three transformers again at the widths of ViT-S/16 (384),
+Swin-T (96, heads 3/6/12) and a 512-wide decoder, one batch each, fp32, `division` B=8 Q=2:
 
 - meter ratio: `freqact.compress`'s meter, exact_bytes / saved_bytes of one forward; beside it
   the same under `codec="exact"` (a sanity column: it must be 1.0) and whether `exact`'s
@@ -55,7 +56,10 @@ from freqact.engine import compress
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DIVISION = {"block": 8, "bits": 2}
 MODES = ("normal", "division")
-TRANSFORMERS = ("vit", "swin", "gpt")  # the families the step-time goal is about
+# the families the step-time goal is about: the zoo's defaults, and the same models at the widths
+# of ViT-S/16, Swin-T and a 512-wide decoder (the codec's cost per saved tensor is fixed, the
+# matmuls' grows with the width: the zoo's small defaults are the hard case)
+TRANSFORMERS = ("vit", "swin", "gpt", "vit-s", "swin-t", "gpt-512")
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,9 @@ CASES = (
     Case("convnext", "convnext", 16),
     Case("mobilenet_v3", "mobilenet_v3", 16),
     Case("gpt", "gpt", 16, dataset=data.TEXT_DATASET),
+    Case("vit-s", "vit", 16, {"dim": 384, "heads": 6}),
+    Case("swin-t", "swin", 16, {"dim": 96, "heads": (3, 6, 12)}),
+    Case("gpt-512", "gpt", 16, {"dim": 512, "heads": 8}, dataset=data.TEXT_DATASET),
 )
 # --quick: the same families, tiny, so that the whole benchmark runs in seconds.
 QUICK = (
@@ -92,6 +99,9 @@ QUICK = (
     Case("gpt", "gpt", 2, {"dim": 32, "depth": 1, "heads": 2, "context": 32},
          dataset=data.TEXT_DATASET),
 )
+_WIDE = {"vit-s": "vit", "swin-t": "swin", "gpt-512": "gpt"}  # wide family -> its zoo default
+QUICK += tuple(replace(c, family=wide) for wide, base in _WIDE.items() for c in QUICK
+               if c.family == base)  # --quick runs the wide families as the tiny ones
 
 
 def _cases(quick: bool, batch: int | None = None) -> dict[str, Case]:
