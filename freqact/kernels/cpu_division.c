@@ -176,6 +176,22 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
 DEFINE_SELECT(select, f32x8, i32x8)
 DEFINE_SELECT(select16, f32x16, i32x16)
 
+/* Lane-wise a < b ? a : b and a > b ? a : b: written per lane so that the compiler sees the
+ * comparison and emits one vminps/vmaxps (exactly this, NaN and -0/+0 included) where a select
+ * on a mask costs a compare and a blend. For running minima/maxima only: against a constant
+ * vector GCC 12 leaves such a lane loop scalar. */
+static inline f32x16 less16(f32x16 a, f32x16 b) {
+    f32x16 r;
+    for (int l = 0; l < 16; l++) r[l] = a[l] < b[l] ? a[l] : b[l];
+    return r;
+}
+
+static inline f32x16 greater16(f32x16 a, f32x16 b) {
+    f32x16 r;
+    for (int l = 0; l < 16; l++) r[l] = a[l] > b[l] ? a[l] : b[l];
+    return r;
+}
+
 /* v as 16 lanes */
 static inline f32x16 splat16(float v) {
     return (f32x16){v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v};
@@ -623,10 +639,10 @@ static void map_range(int64_t n, const float *h, float *mn_out, float *mx_out) {
     for (; i + 32 <= n; i += 32) {
         memcpy(&a, h + i, sizeof a);
         memcpy(&b, h + i + 16, sizeof b);
-        mn0 = select16(a < mn0, a, mn0);
-        mn1 = select16(b < mn1, b, mn1);
-        mx0 = select16(a > mx0, a, mx0);
-        mx1 = select16(b > mx1, b, mx1);
+        mn0 = less16(a, mn0);
+        mn1 = less16(b, mn1);
+        mx0 = greater16(a, mx0);
+        mx1 = greater16(b, mx1);
         nan |= (a != a) | (b != b);
         memcpy(&ai, &a, sizeof ai);
         memcpy(&bi, &b, sizeof bi);
@@ -634,15 +650,15 @@ static void map_range(int64_t n, const float *h, float *mn_out, float *mx_out) {
     }
     if (i + 16 <= n) {
         memcpy(&a, h + i, sizeof a);
-        mn0 = select16(a < mn0, a, mn0);
-        mx0 = select16(a > mx0, a, mx0);
+        mn0 = less16(a, mn0);
+        mx0 = greater16(a, mx0);
         nan |= a != a;
         memcpy(&ai, &a, sizeof ai);
         negzero |= ai == sign;
         i += 16;
     }
-    float lo = lanes_extreme(select16(mn1 < mn0, mn1, mn0), 0);
-    float hi = lanes_extreme(select16(mx1 > mx0, mx1, mx0), 1);
+    float lo = lanes_extreme(less16(mn1, mn0), 0);
+    float hi = lanes_extreme(greater16(mx1, mx0), 1);
     int any_nan = any16(nan), any_negzero = any16(negzero);
     for (; i < n; i++) {
         lo = h[i] < lo ? h[i] : lo;
@@ -1290,22 +1306,6 @@ static void panel_residual(const int64_t *g, const float *src, float *p, uint16_
  * first n - n % 8 in phase e % 8) reduced as first_extreme reduces its lanes, then the tail
  * elements in order; the uniforms are those of the map's elements in the stream, drawn per
  * lane. */
-
-/* Lane-wise a < b ? a : b and a > b ? a : b: written per lane so that the compiler sees the
- * comparison and emits one vminps/vmaxps (exactly this, NaN and -0/+0 included) where a select
- * on a mask costs a compare and a blend. For running minima/maxima only: against a constant
- * vector GCC 12 leaves such a lane loop scalar. */
-static inline f32x16 less16(f32x16 a, f32x16 b) {
-    f32x16 r;
-    for (int l = 0; l < 16; l++) r[l] = a[l] < b[l] ? a[l] : b[l];
-    return r;
-}
-
-static inline f32x16 greater16(f32x16 a, f32x16 b) {
-    f32x16 r;
-    for (int l = 0; l < 16; l++) r[l] = a[l] > b[l] ? a[l] : b[l];
-    return r;
-}
 
 /* Lane-wise `mask ? a : b` on 16 bf16 bit patterns in int32 lanes */
 static inline i32x16 pick16(i32x16 mask, i32x16 a, i32x16 b) { return (mask & a) | (~mask & b); }
