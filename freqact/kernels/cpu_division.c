@@ -1581,14 +1581,17 @@ static inline uint32_t load_word(const uint8_t *p, int64_t n) {
     return w;
 }
 
+/* How decode_word treats q * step + lo: known finite in every lane (nothing to check), checked
+ * (its lanes' finiteness returned), or with the quarter-scale edge rule applied lane by lane. */
+enum { H_FINITE, H_CHECK, H_FIX };
+
 /* Tokens w0 .. w0 + per_word - 1 (those below T) of the 16 chan maps at columns c, their codes
- * in lanes of `word`: out row t, columns c.. = (mean of t's block row) + (q * step + lo), the
- * quarter-scale edge rule applied lane by lane with `fix`. Returns the lanes' finiteness of
- * q * step + lo (all true with `fix`: nothing left to redo). always_inline with constant `bits`
- * and `fix`. */
+ * in lanes of `word`: out row t, columns c.. = (mean of t's block row) + (q * step + lo), per
+ * `rule`. Returns the lanes' finiteness of q * step + lo (all true unless H_CHECK found a value
+ * that is not). always_inline with constant `bits` and `rule`. */
 static inline __attribute__((always_inline)) i32x16 decode_word(
         const int64_t *g, int64_t w0, int64_t c, u32x16 word, f32x16 lo_f, f32x16 step_f,
-        const float *means, const int64_t *block_of, float *o, const int bits, const int fix) {
+        const float *means, const int64_t *block_of, float *o, const int bits, const int rule) {
     const int64_t T = g[T_H] * g[T_W], F = g[T_F];
     const int per_word = 32 / bits;
     i32x16 finite = ~(i32x16){0};
@@ -1599,9 +1602,9 @@ static inline __attribute__((always_inline)) i32x16 decode_word(
         const f32x16 q = __builtin_convertvector((i32x16)((word >> (uint32_t)(k * bits))
                                                           & ((1u << bits) - 1u)), f32x16);
         f32x16 h = q * step_f + lo_f;
-        if (fix) {
+        if (rule == H_FIX) {
             for (int l = 0; l < 16; l++) h[l] = quarter_rule(h[l], q[l], lo_f[l], step_f[l]);
-        } else {
+        } else if (rule == H_CHECK) {
             finite &= finite16(h);
         }
         f32x16 mean;
@@ -1610,6 +1613,58 @@ static inline __attribute__((always_inline)) i32x16 decode_word(
         memcpy(o + t * F + c, &v, sizeof v);
     }
     return finite;
+}
+
+/* Words 4 k0 .. 4 k0 + 3 of 16 rows of codes (row l at p + l * cb, its 16 bytes from p + 16 k0
+ * on) in lanes: w[k][l] = word 4 k0 + k of row l, as little-endian numbers (little-endian hosts
+ * only). 16 vector loads of 16 bytes and shuffles: filled word by word through 16 scalar stores
+ * and one vector load, each word cost a failed store forwarding (the stores not yet in L1). */
+static inline void load_words4(const uint8_t *p, int64_t cb, u32x16 w[4]) {
+    u32x4 r[16];
+    for (int l = 0; l < 16; l++) memcpy(&r[l], p + l * cb, sizeof r[l]);
+    u32x16 rows[4]; /* rows[i]: rows 4 i .. 4 i + 3, 4 words each */
+    for (int i = 0; i < 4; i++) {
+        const u32x8 a = __builtin_shufflevector(r[4 * i], r[4 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7);
+        const u32x8 b = __builtin_shufflevector(r[4 * i + 2], r[4 * i + 3], 0, 1, 2, 3, 4, 5, 6,
+                                                7);
+        rows[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
+                                          15);
+    }
+    /* half[k / 2][..]: words k (first 8 lanes) and k + 1 (last 8) of rows 0..7 (h = 0) or
+     * 8..15 (h = 1); then the halves joined */
+    for (int k = 0; k < 4; k += 2) {
+        u32x16 half[2];
+        for (int h = 0; h < 2; h++)
+            half[h] = k == 0 ? __builtin_shufflevector(rows[2 * h], rows[2 * h + 1], 0, 4, 8, 12,
+                                                       16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29)
+                             : __builtin_shufflevector(rows[2 * h], rows[2 * h + 1], 2, 6, 10, 14,
+                                                       18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27,
+                                                       31);
+        w[k] = __builtin_shufflevector(half[0], half[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
+                                       20, 21, 22, 23);
+        w[k + 1] = __builtin_shufflevector(half[0], half[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                           26, 27, 28, 29, 30, 31);
+    }
+}
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+#define LITTLE_ENDIAN_HOST 0
+#else
+#define LITTLE_ENDIAN_HOST 1
+#endif
+
+/* Decode word w0 / per_word of the 16 maps (`decode_word`): when every lane's q * step + lo is
+ * known finite in one pass, else checked and, where a lane is not, redone with the edge rule. */
+static inline __attribute__((always_inline)) void decode_word_ruled(
+        const int64_t *g, int64_t w0, int64_t c, u32x16 word, f32x16 lo_f, f32x16 step_f,
+        int finite, const float *means, const int64_t *block_of, float *o, const int bits) {
+    if (finite) {
+        decode_word(g, w0, c, word, lo_f, step_f, means, block_of, o, bits, H_FINITE);
+        return;
+    }
+    const i32x16 ok = decode_word(g, w0, c, word, lo_f, step_f, means, block_of, o, bits,
+                                  H_CHECK);
+    if (any16(~ok)) decode_word(g, w0, c, word, lo_f, step_f, means, block_of, o, bits, H_FIX);
 }
 
 /* The 16 chan maps of sequence m at columns c decoded straight into the output panel o: per
@@ -1626,17 +1681,27 @@ static inline __attribute__((always_inline)) void dequantize_columns_fixed(
     memcpy(&step16, step + map0, sizeof step16);
     const f32x16 lo_f = bf16_to_float16(__builtin_convertvector(lo16, i32x16));
     const f32x16 step_f = bf16_to_float16(__builtin_convertvector(step16, i32x16));
+    /* q * step + lo is monotonic in q (each rounding is), so it is finite for every code when
+     * it is for q = 0 and q = 2^bits - 1: then no lane needs a check per token */
+    const f32x16 qmax = splat16((float)((1 << bits) - 1));
+    const int finite = !any16(~(finite16(lo_f + splat16(0.0f) * step_f)
+                                & finite16(qmax * step_f + lo_f)));
     const uint8_t *cm = codes + map0 * cb;
     const int per_word = 32 / bits;
-    for (int64_t w0 = 0; w0 < T; w0 += per_word) {
+    int64_t w0 = 0;
+    /* 4 words at a time from whole 16-byte groups of the rows, then the rest word by word */
+    for (; LITTLE_ENDIAN_HOST && w0 / per_word * 4 + 16 <= cb; w0 += 4 * per_word) {
+        u32x16 words[4];
+        load_words4(cm + w0 / per_word * 4, cb, words);
+        for (int k = 0; k < 4; k++)
+            decode_word_ruled(g, w0 + k * per_word, c, words[k], lo_f, step_f, finite, means,
+                              block_of, o, bits);
+    }
+    for (; w0 < T; w0 += per_word) {
         const int64_t at = w0 / per_word * 4, n = cb - at < 4 ? cb - at : 4;
         u32x16 word;
         for (int l = 0; l < 16; l++) word[l] = load_word(cm + l * cb + at, n);
-        const i32x16 finite = decode_word(g, w0, c, word, lo_f, step_f, means, block_of, o,
-                                          bits, 0);
-        int all = 1;
-        for (int l = 0; l < 16; l++) all &= finite[l] != 0;
-        if (!all) decode_word(g, w0, c, word, lo_f, step_f, means, block_of, o, bits, 1);
+        decode_word_ruled(g, w0, c, word, lo_f, step_f, finite, means, block_of, o, bits);
     }
 }
 
