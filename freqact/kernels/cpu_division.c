@@ -1106,7 +1106,23 @@ static void mean_row(const int64_t *g, const uint16_t *lfc, block_row r, float *
         for (int64_t f = 0; f < F; f++) row[f] = bf16_to_float(base[f * g[T_LF]]);
         return;
     }
-    for (int64_t k = 0; k < g[T_NBF]; k++) {
+    int64_t k = 0;
+    if (bf == 8 && g[T_LF] == 1) /* 8 blocks' 64 floats from one load of their 8 means (block
+                                  * by block, the loop below cost 3/4 of the stores' time) */
+        for (; (k + 8) * 8 <= F; k += 8) {
+            u16x8 b;
+            memcpy(&b, base + k, sizeof b);
+            const i32x8 bits = __builtin_convertvector(b, i32x8) << 16;
+            f32x8 v;
+            memcpy(&v, &bits, sizeof v);
+            const f32x16 out[4] = {
+                __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                __builtin_shufflevector(v, v, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+                __builtin_shufflevector(v, v, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5),
+                __builtin_shufflevector(v, v, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7)};
+            memcpy(row + k * 8, out, sizeof out);
+        }
+    for (; k < g[T_NBF]; k++) {
         const float v = bf16_to_float(base[k * g[T_LF]]);
         const int64_t f0 = k * bf, n = f0 + bf <= F ? bf : F - f0;
         if (n == 8) {
