@@ -299,14 +299,40 @@ static float scaled_block_mean(const geometry *g, const float *x, const int64_t 
     return s / count / 0x1p-64f;
 }
 
-/* out[i] = x[i] - m[i], saturated at +-FLT_MAX where that overflows for a finite x (the edge
- * rule; written as selects so that it vectorises). out may be x. */
-static void residual_row(const float *x, const float *m, int64_t n, float *out) {
-    for (int64_t i = 0; i < n; i++) {
-        const float r = x[i] - m[i];
-        const int fix = (fabsf(r) == INFINITY) & (fabsf(x[i]) < INFINITY);
-        out[i] = fix ? copysignf(FLT_MAX, r) : r;
+/* x - m, saturated at +-FLT_MAX where that overflows for a finite x (the edge rule). */
+static inline float residual_at(float x, float m) {
+    const float r = x - m;
+    const int fix = (fabsf(r) == INFINITY) & (fabsf(x) < INFINITY);
+    return fix ? copysignf(FLT_MAX, r) : r;
+}
+
+/* out[k * n + i] = residual_at(x[k * n + i], m[i]) for `rows` rows k of n elements against one
+ * row m; out is not x. The plain differences first, 16 at a time, summing r - r in lanes (0 while
+ * every r is finite, NaN once one is not, and NaN stays): only a call that met an infinite or
+ * NaN difference is redone with the rule (whose selects cost twice the difference itself). */
+static void residual_rows(const float *x, const float *m, int64_t n, int64_t rows, float *out) {
+    f32x16 nonfinite = {0};
+    int bad = 0;
+    for (int64_t k = 0; k < rows; k++) {
+        const float *xk = x + k * n;
+        float *ok = out + k * n;
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+            f32x16 a, b;
+            memcpy(&a, xk + i, sizeof a);
+            memcpy(&b, m + i, sizeof b);
+            const f32x16 r = a - b;
+            nonfinite += r - r;
+            memcpy(ok + i, &r, sizeof r);
+        }
+        for (; i < n; i++) {
+            ok[i] = xk[i] - m[i];
+            bad |= !isfinite(ok[i]);
+        }
     }
+    if (!(bad | any16(nonfinite != nonfinite))) return;
+    for (int64_t k = 0; k < rows; k++)
+        for (int64_t i = 0; i < n; i++) out[k * n + i] = residual_at(x[k * n + i], m[i]);
 }
 
 /* row[w] = the value of w's block for the W columns of a row, from its block row's nb[2]
@@ -319,7 +345,7 @@ static void spread_row(const geometry *g, const float *v, float *row) {
     }
 }
 
-/* Block means of map x into lfc (bf16) and its residual x - float(lfc), saturated (residual_row),
+/* Block means of map x into lfc (bf16) and its residual x - float(lfc), saturated (residual_rows),
  * into h, one block row at a time while its rows are in L1: the rows are read in memory order
  * (a cold map streams in) and added column-wise into colsum (colsum[w] = 0 + x[row 0][w] +
  * x[row 1][w] + ...), then each block adds its columns in order (0 + colsum[w0] + ...).
@@ -351,12 +377,12 @@ static void block_residual(const geometry *g, const float *x, float *colsum, flo
                 lfc[b] = bf16_nearest(mean);
                 means[j] = bf16_to_float(lfc[b]);
             }
-            /* the block row's rows of one d are contiguous: one residual_row call for them
+            /* the block row's rows of one d are contiguous: one residual_rows call for them
              * (a 4 x 4 map in one vector step, not four scalar rows) */
             spread_row(g, means, row);
             for (int64_t r = 1; r < h1 - h0; r++) memcpy(row + r * W, row, (size_t)W * sizeof *row);
             for (int64_t d = d0; d < d1; d++)
-                residual_row(x + (d * H + h0) * W, row, (h1 - h0) * W, h + (d * H + h0) * W);
+                residual_rows(x + (d * H + h0) * W, row, (h1 - h0) * W, 1, h + (d * H + h0) * W);
         }
     }
 }
@@ -1106,7 +1132,7 @@ static void mean_row(const int64_t *g, const uint16_t *lfc, block_row r, float *
         for (int64_t f = 0; f < F; f++) row[f] = bf16_to_float(base[f * g[T_LF]]);
         return;
     }
-    /* 16 floats (two blocks) per store: residual_row reads the row 16 floats at a time right
+    /* 16 floats (two blocks) per store: residual_rows reads the row 16 floats at a time right
      * after, and a load that spans two stores waits until they reach the cache (the store
      * forwarding fails; for blocks of one token, in every row). 8 contiguous blocks' means
      * from one load, then blocks in pairs, then one by one. */
@@ -1299,14 +1325,48 @@ static void block_row_sums(const int64_t *g, const float *src, block_row r, floa
     }
 }
 
-/* Block means of the panel src ((H * W, F), contiguous) into lfc and its residual into p (which
- * may be src). acc, row: scratch of F floats. */
+/* The residual of a panel whose blocks are one token by 8 features with F a multiple of 16 (the
+ * `feat` blocks), its lfc known: 16 features (two blocks) at a time, their means spread in
+ * registers (a mean row and a residual call per token of 32 or 64 features cost more than the
+ * differences), checked as residual_rows checks them. */
+static void token_residual(const int64_t *g, const float *src, const uint16_t *lfc, float *p) {
+    const int64_t W = g[T_W], T = g[T_H] * W, F = g[T_F], lf = g[T_LF];
+    f32x16 nonfinite = {0};
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *means = lfc + lfc_index(g, t / W, t % W, 0);
+        for (int64_t f = 0; f < F; f += 16) {
+            const float a = bf16_to_float(means[f / 8 * lf]);
+            const float b = bf16_to_float(means[(f / 8 + 1) * lf]);
+            const f32x16 mean = {a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b};
+            f32x16 x;
+            memcpy(&x, src + t * F + f, sizeof x);
+            const f32x16 r = x - mean;
+            nonfinite += r - r;
+            memcpy(p + t * F + f, &r, sizeof r);
+        }
+    }
+    if (!any16(nonfinite != nonfinite)) return;
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *means = lfc + lfc_index(g, t / W, t % W, 0);
+        for (int64_t f = 0; f < F; f++)
+            p[t * F + f] = residual_at(src[t * F + f], bf16_to_float(means[f / 8 * lf]));
+    }
+}
+
+/* Block means of the panel src ((H * W, F), contiguous) into lfc and its residual into p (not
+ * src). acc, row: scratch of F floats. */
 static void panel_residual(const int64_t *g, const float *src, float *p, uint16_t *lfc,
                            float *acc, float *row) {
     const int64_t W = g[T_W], F = g[T_F];
+    const int token_blocks = g[T_BH] * g[T_BW] == 1 && g[T_BF] == 8 && F % 8 == 0;
     /* blocks of one token x 8 features: their means first, for the whole panel */
-    const int64_t done = g[T_BH] * g[T_BW] == 1 && g[T_BF] == 8 && F % 8 == 0
-                         ? token_means(g, src, lfc) : 0;
+    const int64_t done = token_blocks ? token_means(g, src, lfc) : 0;
+    if (token_blocks && F % 16 == 0) {
+        for (int64_t t = done; t < g[T_H] * W; t++)
+            row_means(g, src, block_row_at(g, t / W, t % W), src + t * F, 1.0f, lfc);
+        token_residual(g, src, lfc, p);
+        return;
+    }
     for (int64_t i = 0; i < g[T_NBH]; i++)
         for (int64_t j = 0; j < g[T_NBW]; j++) {
             const block_row r = block_row_at(g, i, j);
@@ -1316,9 +1376,10 @@ static void panel_residual(const int64_t *g, const float *src, float *p, uint16_
             if (sums == acc) block_row_sums(g, src, r, acc);
             if (r.h0 * W + r.w0 >= done) row_means(g, src, r, sums, tokens, lfc);
             mean_row(g, lfc, r, row);
+            /* the block row's tokens of one h are contiguous */
             for (int64_t h = r.h0; h < r.h1; h++)
-                for (int64_t w = r.w0; w < r.w1; w++)
-                    residual_row(src + (h * W + w) * F, row, F, p + (h * W + w) * F);
+                residual_rows(src + (h * W + r.w0) * F, row, F, r.w1 - r.w0,
+                              p + (h * W + r.w0) * F);
         }
 }
 
@@ -1565,9 +1626,9 @@ int freqact_token_encode(const int64_t *geom, int bits, const float *x, const fl
         } else {
 #pragma omp for schedule(dynamic, 1)  /* a descheduled thread holds up no fixed share */
             for (int64_t m = 0; m < M; m++) {
-                const float *src = p;  /* a contiguous panel is read in place */
+                const float *src = ht;  /* a contiguous panel is read in place */
                 if (dense) src = x + m * geom[T_SM];
-                else gather_panel(geom, x + m * geom[T_SM], p);
+                else gather_panel(geom, x + m * geom[T_SM], ht); /* ht is free until quantize */
                 panel_residual(geom, src, p, lfc + m * nblocks, acc, row);
                 quantize_panel(geom, m, bits, p, ht, noise, seed, u, lo, step, codes);
             }
@@ -1847,7 +1908,7 @@ static void encode_small_maps(const geometry *g, int64_t m0, int bits, const flo
             }
         }
         /* per row, its 16 lanes' block means spread over its W columns (rebuilt when the block
-         * row changes), then one residual_row call over the row's W x 16 floats */
+         * row changes), then one residual_rows call over the row's W x 16 floats */
         for (int64_t r = 0, current = -1; r < n / W; r++) {
             if (g->row_blocks[r] != current) {
                 current = g->row_blocks[r];
@@ -1855,7 +1916,7 @@ static void encode_small_maps(const geometry *g, int64_t m0, int bits, const flo
                     memcpy(mrow + w * 16, means + (current * g->nb[2] + w / bw) * 16,
                            16 * sizeof(float));
             }
-            residual_row(xt + r * W * 16, mrow, W * 16, ht + r * W * 16);
+            residual_rows(xt + r * W * 16, mrow, W * 16, 1, ht + r * W * 16);
         }
         h = ht;
     }
