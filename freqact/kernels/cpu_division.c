@@ -1325,32 +1325,45 @@ static void block_row_sums(const int64_t *g, const float *src, block_row r, floa
     }
 }
 
-/* The residual of a panel whose blocks are one token by 8 features with F a multiple of 16 (the
- * `feat` blocks), its lfc known: 16 features (two blocks) at a time, their means spread in
- * registers (a mean row and a residual call per token of 32 or 64 features cost more than the
- * differences), checked as residual_rows checks them. */
+/* Whether the panel's blocks are one token by 8 features with F a multiple of 16 (the `feat`
+ * blocks of 32 or 64 features): their means go 16 features (two blocks) at a time, spread in
+ * registers (pair_means), where a mean row per token cost more than its use. */
+static inline int token_pairs(const int64_t *g) {
+    return g[T_BH] * g[T_BW] == 1 && g[T_BF] == 8 && g[T_F] % 16 == 0;
+}
+
+/* The lfc of token t's blocks (token_pairs), lf apart. */
+static inline const uint16_t *token_lfc(const int64_t *g, const uint16_t *lfc, int64_t t) {
+    return lfc + lfc_index(g, t / g[T_W], t % g[T_W], 0);
+}
+
+/* The means of features f .. f + 15 (blocks f / 8 and f / 8 + 1) from a token's lfc. */
+static inline f32x16 pair_means(const uint16_t *means, int64_t f, int64_t lf) {
+    const float a = bf16_to_float(means[f / 8 * lf]), b = bf16_to_float(means[(f / 8 + 1) * lf]);
+    return (f32x16){a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b};
+}
+
+/* The residual of a token_pairs panel, its lfc known, checked as residual_rows checks it. */
 static void token_residual(const int64_t *g, const float *src, const uint16_t *lfc, float *p) {
-    const int64_t W = g[T_W], T = g[T_H] * W, F = g[T_F], lf = g[T_LF];
+    const int64_t T = g[T_H] * g[T_W], F = g[T_F], lf = g[T_LF];
     f32x16 nonfinite = {0};
     for (int64_t t = 0; t < T; t++) {
-        const uint16_t *means = lfc + lfc_index(g, t / W, t % W, 0);
+        const uint16_t *means = token_lfc(g, lfc, t);
         for (int64_t f = 0; f < F; f += 16) {
-            const float a = bf16_to_float(means[f / 8 * lf]);
-            const float b = bf16_to_float(means[(f / 8 + 1) * lf]);
-            const f32x16 mean = {a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b};
             f32x16 x;
             memcpy(&x, src + t * F + f, sizeof x);
-            const f32x16 r = x - mean;
+            const f32x16 r = x - pair_means(means, f, lf);
             nonfinite += r - r;
             memcpy(p + t * F + f, &r, sizeof r);
         }
     }
     if (!any16(nonfinite != nonfinite)) return;
-    for (int64_t t = 0; t < T; t++) {
-        const uint16_t *means = lfc + lfc_index(g, t / W, t % W, 0);
-        for (int64_t f = 0; f < F; f++)
-            p[t * F + f] = residual_at(src[t * F + f], bf16_to_float(means[f / 8 * lf]));
-    }
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t f = 0; f < F; f += 16) {
+            const f32x16 mean = pair_means(token_lfc(g, lfc, t), f, lf);
+            for (int l = 0; l < 16; l++)
+                p[t * F + f + l] = residual_at(src[t * F + f + l], mean[l]);
+        }
 }
 
 /* Block means of the panel src ((H * W, F), contiguous) into lfc and its residual into p (not
@@ -1358,10 +1371,10 @@ static void token_residual(const int64_t *g, const float *src, const uint16_t *l
 static void panel_residual(const int64_t *g, const float *src, float *p, uint16_t *lfc,
                            float *acc, float *row) {
     const int64_t W = g[T_W], F = g[T_F];
-    const int token_blocks = g[T_BH] * g[T_BW] == 1 && g[T_BF] == 8 && F % 8 == 0;
     /* blocks of one token x 8 features: their means first, for the whole panel */
-    const int64_t done = token_blocks ? token_means(g, src, lfc) : 0;
-    if (token_blocks && F % 16 == 0) {
+    const int64_t done = g[T_BH] * g[T_BW] == 1 && g[T_BF] == 8 && F % 8 == 0
+                         ? token_means(g, src, lfc) : 0;
+    if (token_pairs(g)) {
         for (int64_t t = done; t < g[T_H] * W; t++)
             row_means(g, src, block_row_at(g, t / W, t % W), src + t * F, 1.0f, lfc);
         token_residual(g, src, lfc, p);
@@ -1827,10 +1840,19 @@ int freqact_token_decode(const int64_t *geom, int bits, const uint16_t *lfc, con
         } else {
 #pragma omp for schedule(dynamic, 1)  /* a descheduled thread holds up no fixed share */
             for (int64_t m = 0; m < M; m++) {
-                for (int64_t i = 0; i < geom[T_NBH]; i++)
-                    for (int64_t j = 0; j < nbw; j++)
-                        mean_row(geom, lfc + m * nblocks, block_row_at(geom, i, j),
-                                 means + (i * nbw + j) * F);
+                if (token_pairs(geom)) { /* one mean row per token, in one loop */
+                    for (int64_t t = 0; t < T; t++)
+                        for (int64_t f = 0; f < F; f += 16) {
+                            const f32x16 v = pair_means(token_lfc(geom, lfc + m * nblocks, t),
+                                                        f, geom[T_LF]);
+                            memcpy(means + t * F + f, &v, sizeof v);
+                        }
+                } else {
+                    for (int64_t i = 0; i < geom[T_NBH]; i++)
+                        for (int64_t j = 0; j < nbw; j++)
+                            mean_row(geom, lfc + m * nblocks, block_row_at(geom, i, j),
+                                     means + (i * nbw + j) * F);
+                }
                 float *o = out + m * geom[T_OUT_STRIDE];
                 for (int64_t c = 0; c < lanes; c += 16)
                     dequantize_columns(geom, m, c, bits, lo, step, codes, means, block_of, o);
