@@ -204,18 +204,27 @@ static inline i32x16 finite16(f32x16 v) {
     return (b & 0x7F800000) != 0x7F800000;
 }
 
-/* Whether a lane of the mask m is set: halves OR-ed together. */
-static inline int any16(i32x16 m) {
-    i32x8 a = __builtin_shufflevector(m, m, 0, 1, 2, 3, 4, 5, 6, 7)
-              | __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15);
+/* Whether a lane of the mask m is set (8 or 16 lanes): halves OR-ed together. */
+static inline int any8(i32x8 a) {
     a |= __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3);
     a |= __builtin_shufflevector(a, a, 2, 3, 0, 1, 2, 3, 0, 1);
     return (a[0] | a[1]) != 0;
 }
 
+static inline int any16(i32x16 m) {
+    return any8(__builtin_shufflevector(m, m, 0, 1, 2, 3, 4, 5, 6, 7)
+                | __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+
 /* --- noise ---------------------------------------------------------------------------------- */
 
 #define GOLDEN_GAMMA 0x9E3779B97F4A7C15ull
+
+/* 16 draws of 24 bits scaled to [0, 1) by 2^-24 (< 2^24: exact as int32 and as float, as the
+ * scalar (float)(uint64) conversion). */
+static inline f32x16 uniform24(u32x16 bits) {
+    return __builtin_convertvector((i32x16)bits, f32x16) * splat16(0x1p-24f);
+}
 
 /* SplitMix64's outputs for 8 states z (seed + (k + 1) * golden gamma for draws k): its
  * finaliser, lane-wise. */
@@ -235,26 +244,13 @@ static inline f32x16 uniforms16(u64x8 *z) {
     const u32x16 bits = __builtin_shufflevector(hi, lo, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6,
                                                 14, 7, 15);
     *z += 8 * GOLDEN_GAMMA;
-    /* < 2^24: exact as int32 and as float, as the scalar (float)(uint64) conversion */
-    return __builtin_convertvector((i32x16)bits, f32x16) * splat16(0x1p-24f);
+    return uniform24(bits);
 }
 
 /* The states of draws k .. k + 7 for the draw k holding element `first`. */
 static inline u64x8 draw_states(uint64_t seed, uint64_t first) {
     const u64x8 lanes = {1, 2, 3, 4, 5, 6, 7, 8};
     return seed + ((first >> 1) + lanes) * GOLDEN_GAMMA;
-}
-
-/* u[i] = the uniform of element first + i, for i < n, 16 per step from the even element at or
- * before `first`, so u must have room for n + 16 floats: the map's uniforms start at
- * u + (first & 1), which this returns. */
-static const float *splitmix_uniforms(uint64_t seed, uint64_t first, int64_t n, float *u) {
-    u64x8 z = draw_states(seed, first);
-    for (int64_t i = 0; i < n + (int64_t)(first & 1); i += 16) {
-        const f32x16 v = uniforms16(&z);
-        memcpy(u + i, &v, sizeof v);
-    }
-    return u + (first & 1);
 }
 
 /* The noise of one map drawn in registers, 16 uniforms per `next_uniforms` from element `first`
@@ -419,6 +415,16 @@ static int add_block_values(const geometry *g, const float *x, const float *valu
     }
     return bad | any16(~finite);
 }
+
+/* CALL(b) with b the constant equal to bits (1, 2, 4, else 8), so that an always_inline kernel
+ * called there unrolls and vectorises for that width. */
+#define AT_CONSTANT_BITS(bits, CALL)  \
+    switch (bits) {                   \
+        case 1: CALL(1); break;       \
+        case 2: CALL(2); break;       \
+        case 4: CALL(4); break;       \
+        default: CALL(8);             \
+    }
 
 /* --- packing: code i of a row at bit (i % (8 / bits)) * bits of byte i / (8 / bits) ----------- */
 
@@ -589,12 +595,7 @@ static void quantize_pack(int64_t n, int bits, const float *h, const float *u, c
 #define QUANTIZE_AT(b)                                                                         \
     (gen ? quantize_pack_fixed(n, h, NULL, &s, ahead, lo, divisor, qmax, codes, b)             \
          : quantize_pack_fixed(n, h, u, NULL, ahead, lo, divisor, qmax, codes, b))
-    switch (bits) {
-        case 1: QUANTIZE_AT(1); break;
-        case 2: QUANTIZE_AT(2); break;
-        case 4: QUANTIZE_AT(4); break;
-        default: QUANTIZE_AT(8);
-    }
+    AT_CONSTANT_BITS(bits, QUANTIZE_AT);
 #undef QUANTIZE_AT
 }
 
@@ -629,8 +630,7 @@ static void scan_range(int64_t n, const float *h, float *mn_out, float *mx_out) 
         lane_nan |= v != v;
     }
     float mn = first_extreme(lane_mn, 0), mx = first_extreme(lane_mx, 1);
-    int nan = 0;
-    for (int l = 0; l < 8; l++) nan |= lane_nan[l];
+    int nan = any8(lane_nan);
     for (int64_t i = whole; i < n; i++) {
         mn = h[i] < mn ? h[i] : mn;
         mx = h[i] > mx ? h[i] : mx;
@@ -722,12 +722,6 @@ static void quantize_map_with(int64_t n, int bits, const float *h, const float *
     quantize_pack(n, bits, h, u, gen, ahead, lo_f, step_f == 0.0f ? 1.0f : step_f, qmax, codes);
 }
 
-/* quantize_map_with given uniforms u (the token layouts' maps). */
-static void quantize_map(int64_t n, int bits, const float *h, const float *u, uint16_t *lo_out,
-                         uint16_t *step_out, uint8_t *codes) {
-    quantize_map_with(n, bits, h, u, NULL, NULL, lo_out, step_out, codes);
-}
-
 /* The most elements of a map that encode_small_maps takes (a 16 x 16 map). */
 #define SMALL_MAP 256
 
@@ -805,8 +799,7 @@ static inline __attribute__((always_inline)) int dequantize_fixed(
         finite &= finite16(v);
         memcpy(out + i, &v, sizeof v);
     }
-    int bad = 0;
-    for (int l = 0; l < 16; l++) bad |= !finite[l];
+    int bad = any16(~finite);
     const int per_byte = 8 / bits;
     for (; i < n; i++) {
         const float q = (float)((codes[i / per_byte] >> (i % per_byte * bits)) & ((1 << bits) - 1));
@@ -819,16 +812,13 @@ static inline __attribute__((always_inline)) int dequantize_fixed(
 /* dequantize_fixed with a run-time `bits` and `with_lo`. */
 static int dequantize_codes(const uint8_t *codes, int64_t n, int bits, float lo_f, float step_f,
                             int with_lo, float *out) {
+    int bad;
 #define DEQUANTIZE_AT(b)                                                                       \
-    (with_lo ? dequantize_fixed(codes, n, lo_f, step_f, out, b, 1)                             \
-             : dequantize_fixed(codes, n, lo_f, step_f, out, b, 0))
-    switch (bits) {
-        case 1: return DEQUANTIZE_AT(1);
-        case 2: return DEQUANTIZE_AT(2);
-        case 4: return DEQUANTIZE_AT(4);
-        default: return DEQUANTIZE_AT(8);
-    }
+    bad = with_lo ? dequantize_fixed(codes, n, lo_f, step_f, out, b, 1)                        \
+                  : dequantize_fixed(codes, n, lo_f, step_f, out, b, 0)
+    AT_CONSTANT_BITS(bits, DEQUANTIZE_AT);
 #undef DEQUANTIZE_AT
+    return bad;
 }
 
 /* The decode's edge rule for one map whose sums did not all stay finite: where the sum is not
@@ -1042,16 +1032,6 @@ void freqact_unpack_mask(int64_t n, const uint8_t *packed, float off, float on, 
 enum { T_M, T_H, T_W, T_F, T_BH, T_BW, T_BF, T_NBH, T_NBW, T_NBF, T_LH, T_LW, T_LF, T_STATS,
        T_CODE_BYTES, T_SM, T_SH, T_SW, T_SF, T_OUT_STRIDE, T_LEN };
 
-/* CALL(b) with b the constant equal to bits (1, 2, 4, else 8), so that an always_inline kernel
- * called there unrolls and vectorises for that width. */
-#define AT_CONSTANT_BITS(bits, CALL)  \
-    switch (bits) {                   \
-        case 1: CALL(1); break;       \
-        case 2: CALL(2); break;       \
-        case 4: CALL(4); break;       \
-        default: CALL(8);             \
-    }
-
 /* The OpenMP team for M sequences: no more threads than sequences (an idle thread's wake-up
  * and join cost a small call more than its share), at least one. */
 static inline int team(int64_t M, int threads) {
@@ -1225,8 +1205,7 @@ static void store_means8(const int64_t *g, const float *src, block_row r, int64_
     i32x8 bits;
     memcpy(&bits, &sum, sizeof bits);
     const i32x8 finite = (bits & 0x7F800000) != 0x7F800000;
-    int all_finite = 1;
-    for (int l = 0; l < 8; l++) all_finite &= finite[l] != 0;
+    const int all_finite = !any8(~finite);
     /* the common case: finite sums, stored contiguously (lanes extracted one by one are slow) */
     const int64_t first = per_token ? k0 : lfc_index(g, r.i, r.j, k0);
     const int contiguous = per_token ? g[T_H] == 1 && g[T_LW] == g[T_NBF] && g[T_LF] == 1
@@ -1500,7 +1479,7 @@ static inline f32x16 draw_uniforms(const u64x8 r[2], int hi) {
                                                17 - HI32, 19 - HI32, 21 - HI32, 23 - HI32,
                                                25 - HI32, 27 - HI32, 29 - HI32, 31 - HI32)
                            & 0xFFFFFF;
-    return __builtin_convertvector((i32x16)bits, f32x16) * splat16(0x1p-24f);
+    return uniform24(bits);
 }
 
 /* The next draw of 16 maps (their states z advanced by one draw). */
@@ -1588,11 +1567,11 @@ static void quantize_lanes(int64_t map0, int64_t n, int64_t cb, int bits, const 
 /* Quantise the residual panel p of sequence m: one map per token row (tok) or per feature
  * column (chan). Without given noise 16 maps at a time in lanes (quantize_lanes; tok rows
  * through a transposed 16-row strip in ht), the rest one by one (chan: the remaining columns
- * transposed into ht) with their uniforms drawn in one go (the panel's maps follow each other in
- * the stream). ht: scratch of T * F floats; u: of T * F + 16. */
+ * transposed into ht) as the map encode quantises its maps (quantize_map_with: their uniforms
+ * given, or drawn in registers). ht: scratch of T * F floats. */
 static void quantize_panel(const int64_t *g, int64_t m, int bits, const float *p, float *ht,
-                           const float *noise, uint64_t seed, float *u, uint16_t *lo,
-                           uint16_t *step, uint8_t *codes) {
+                           const float *noise, uint64_t seed, uint16_t *lo, uint16_t *step,
+                           uint8_t *codes) {
     const int64_t T = g[T_H] * g[T_W], F = g[T_F], cb = g[T_CODE_BYTES];
     const int chan = g[T_STATS] == 1;
     const int64_t maps = chan ? F : T, n = chan ? T : F;
@@ -1605,13 +1584,11 @@ static void quantize_panel(const int64_t *g, int64_t m, int bits, const float *p
     if (lanes == maps) return;
     if (chan) transpose(p + lanes, T, F - lanes, F, ht);
     const float *h = chan ? ht : p + lanes * F; /* the remaining maps, one after the other */
-    const int64_t first = (m * maps + lanes) * n; /* the first remaining element's stream index */
-    const float *uniforms = noise ? noise + first
-                                  : splitmix_uniforms(seed, (uint64_t)first, (maps - lanes) * n, u);
     for (int64_t r = lanes; r < maps; r++) {
         const int64_t map = m * maps + r;
-        quantize_map(n, bits, h + (r - lanes) * n, uniforms + (r - lanes) * n, lo + map,
-                     step + map, codes + map * cb);
+        const noise16 gen = noise ? (noise16){0} : noise_at(seed, (uint64_t)(map * n));
+        quantize_map_with(n, bits, h + (r - lanes) * n, noise ? noise + map * n : NULL,
+                          noise ? NULL : &gen, NULL, lo + map, step + map, codes + map * cb);
     }
 }
 
@@ -1633,8 +1610,7 @@ int freqact_token_encode(const int64_t *geom, int bits, const float *x, const fl
         float *ht = malloc((size_t)(T * F) * sizeof(float));
         float *acc = malloc((size_t)F * sizeof(float));
         float *row = malloc((size_t)F * sizeof(float));
-        float *u = noise ? NULL : malloc((size_t)(T * F + 16) * sizeof(float));
-        if (!p || !ht || !acc || !row || (!noise && !u)) {
+        if (!p || !ht || !acc || !row) {
             failed = 1;
         } else {
 #pragma omp for schedule(dynamic, 1)  /* a descheduled thread holds up no fixed share */
@@ -1643,14 +1619,13 @@ int freqact_token_encode(const int64_t *geom, int bits, const float *x, const fl
                 if (dense) src = x + m * geom[T_SM];
                 else gather_panel(geom, x + m * geom[T_SM], ht); /* ht is free until quantize */
                 panel_residual(geom, src, p, lfc + m * nblocks, acc, row);
-                quantize_panel(geom, m, bits, p, ht, noise, seed, u, lo, step, codes);
+                quantize_panel(geom, m, bits, p, ht, noise, seed, lo, step, codes);
             }
         }
         free(p);
         free(ht);
         free(acc);
         free(row);
-        free(u);
     }
     return failed ? -1 : 0;
 }
