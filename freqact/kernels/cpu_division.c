@@ -543,12 +543,19 @@ static inline uint8_t quantize(float h, float u, float lo, float divisor, float 
     return (uint8_t)(int)t; /* t >= 0: truncation is the floor */
 }
 
-/* The codes of 16 residuals h with their uniforms u, lane-wise `quantize`. */
+/* The codes of 16 residuals h with their uniforms u, lane-wise `quantize`. The upper clamp is
+ * an integer min of the bit patterns: after the lower clamp each lane is +0, positive or +inf,
+ * whose patterns order as their values (one vpminsd, where GCC 12 gives a float min against the
+ * constant qmax as a compare and two operations, or as scalar code through less16). */
 static inline i32x16 quantize16(f32x16 h, f32x16 u, f32x16 vlo, f32x16 vdiv, f32x16 vmax) {
     const f32x16 zero = {0};
     f32x16 t = u + (h - vlo) / vdiv;
-    t = select16(t > zero, t, zero); /* NaN -> 0 */
-    t = select16(t < vmax, t, vmax);
+    t = select16(t > zero, t, zero); /* NaN and -0 -> +0 */
+    i32x16 tb, mb;
+    memcpy(&tb, &t, sizeof tb);
+    memcpy(&mb, &vmax, sizeof mb);
+    for (int l = 0; l < 16; l++) tb[l] = tb[l] < mb[l] ? tb[l] : mb[l];
+    memcpy(&t, &tb, sizeof t);
     return __builtin_convertvector(t, i32x16);
 }
 
