@@ -1030,7 +1030,7 @@ void freqact_unpack_mask(int64_t n, const uint8_t *packed, float off, float on, 
  * down 16 columns of the residual in place, `tok` maps from a 16-row strip transposed): min/max,
  * lo/step, SplitMix64 draws and quantise + pack in registers, nothing per map reduced across
  * lanes and no uniforms stored; the maps left over (maps % 16) and every map of a call with
- * given noise one by one as in the map kernels (quantize_map). Decode: mean + (q * step + lo)
+ * given noise one by one as in the map kernels (quantize_map_with). Decode: mean + (q * step + lo)
  * with the quant decode's edge rule, into a float32 (H * W, F) panel per sequence at
  * out + m * out_stride: `chan` maps 16 columns at a time straight from their code words into
  * the panel (dequantize_columns), the rest map by map; no transpose and no separate mean pass.
@@ -1386,8 +1386,8 @@ static void panel_residual(const int64_t *g, const float *src, float *p, uint16_
  *
  * Without given noise, the quant maps of a panel go 16 at a time in lanes: `chan` maps read
  * down 16 columns of the residual panel in place, `tok` maps (token rows) from a 16-row strip
- * transposed to 16 columns; the rest (maps % 16) one by one by quantize_map. No per-map
- * reductions and no uniforms written to memory. Per lane these are quantize_map's float
+ * transposed to 16 columns; the rest (maps % 16) one by one by quantize_map_with. No per-map
+ * reductions and no uniforms written to memory. Per lane these are quantize_map_with's float
  * operations (the same bytes; min/max as scan_range keeps them): min/max in 8 phase accumulators (element e of the
  * first n - n % 8 in phase e % 8) reduced as first_extreme reduces its lanes, then the tail
  * elements in order; the uniforms are those of the map's elements in the stream, drawn per
