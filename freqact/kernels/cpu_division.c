@@ -176,6 +176,22 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
 DEFINE_SELECT(select, f32x8, i32x8)
 DEFINE_SELECT(select16, f32x16, i32x16)
 
+/* Lane-wise a < b ? a : b and a > b ? a : b: written per lane so that the compiler sees the
+ * comparison and emits one vminps/vmaxps (exactly this, NaN and -0/+0 included) where a select
+ * on a mask costs a compare and a blend. For running minima/maxima only: against a constant
+ * vector GCC 12 leaves such a lane loop scalar. */
+static inline f32x16 less16(f32x16 a, f32x16 b) {
+    f32x16 r;
+    for (int l = 0; l < 16; l++) r[l] = a[l] < b[l] ? a[l] : b[l];
+    return r;
+}
+
+static inline f32x16 greater16(f32x16 a, f32x16 b) {
+    f32x16 r;
+    for (int l = 0; l < 16; l++) r[l] = a[l] > b[l] ? a[l] : b[l];
+    return r;
+}
+
 /* v as 16 lanes */
 static inline f32x16 splat16(float v) {
     return (f32x16){v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v};
@@ -188,18 +204,27 @@ static inline i32x16 finite16(f32x16 v) {
     return (b & 0x7F800000) != 0x7F800000;
 }
 
-/* Whether a lane of the mask m is set: halves OR-ed together. */
-static inline int any16(i32x16 m) {
-    i32x8 a = __builtin_shufflevector(m, m, 0, 1, 2, 3, 4, 5, 6, 7)
-              | __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15);
+/* Whether a lane of the mask m is set (8 or 16 lanes): halves OR-ed together. */
+static inline int any8(i32x8 a) {
     a |= __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3);
     a |= __builtin_shufflevector(a, a, 2, 3, 0, 1, 2, 3, 0, 1);
     return (a[0] | a[1]) != 0;
 }
 
+static inline int any16(i32x16 m) {
+    return any8(__builtin_shufflevector(m, m, 0, 1, 2, 3, 4, 5, 6, 7)
+                | __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+
 /* --- noise ---------------------------------------------------------------------------------- */
 
 #define GOLDEN_GAMMA 0x9E3779B97F4A7C15ull
+
+/* 16 draws of 24 bits scaled to [0, 1) by 2^-24 (< 2^24: exact as int32 and as float, as the
+ * scalar (float)(uint64) conversion). */
+static inline f32x16 uniform24(u32x16 bits) {
+    return __builtin_convertvector((i32x16)bits, f32x16) * splat16(0x1p-24f);
+}
 
 /* SplitMix64's outputs for 8 states z (seed + (k + 1) * golden gamma for draws k): its
  * finaliser, lane-wise. */
@@ -219,26 +244,13 @@ static inline f32x16 uniforms16(u64x8 *z) {
     const u32x16 bits = __builtin_shufflevector(hi, lo, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6,
                                                 14, 7, 15);
     *z += 8 * GOLDEN_GAMMA;
-    /* < 2^24: exact as int32 and as float, as the scalar (float)(uint64) conversion */
-    return __builtin_convertvector((i32x16)bits, f32x16) * splat16(0x1p-24f);
+    return uniform24(bits);
 }
 
 /* The states of draws k .. k + 7 for the draw k holding element `first`. */
 static inline u64x8 draw_states(uint64_t seed, uint64_t first) {
     const u64x8 lanes = {1, 2, 3, 4, 5, 6, 7, 8};
     return seed + ((first >> 1) + lanes) * GOLDEN_GAMMA;
-}
-
-/* u[i] = the uniform of element first + i, for i < n, 16 per step from the even element at or
- * before `first`, so u must have room for n + 16 floats: the map's uniforms start at
- * u + (first & 1), which this returns. */
-static const float *splitmix_uniforms(uint64_t seed, uint64_t first, int64_t n, float *u) {
-    u64x8 z = draw_states(seed, first);
-    for (int64_t i = 0; i < n + (int64_t)(first & 1); i += 16) {
-        const f32x16 v = uniforms16(&z);
-        memcpy(u + i, &v, sizeof v);
-    }
-    return u + (first & 1);
 }
 
 /* The noise of one map drawn in registers, 16 uniforms per `next_uniforms` from element `first`
@@ -283,14 +295,40 @@ static float scaled_block_mean(const geometry *g, const float *x, const int64_t 
     return s / count / 0x1p-64f;
 }
 
-/* out[i] = x[i] - m[i], saturated at +-FLT_MAX where that overflows for a finite x (the edge
- * rule; written as selects so that it vectorises). out may be x. */
-static void residual_row(const float *x, const float *m, int64_t n, float *out) {
-    for (int64_t i = 0; i < n; i++) {
-        const float r = x[i] - m[i];
-        const int fix = (fabsf(r) == INFINITY) & (fabsf(x[i]) < INFINITY);
-        out[i] = fix ? copysignf(FLT_MAX, r) : r;
+/* x - m, saturated at +-FLT_MAX where that overflows for a finite x (the edge rule). */
+static inline float residual_at(float x, float m) {
+    const float r = x - m;
+    const int fix = (fabsf(r) == INFINITY) & (fabsf(x) < INFINITY);
+    return fix ? copysignf(FLT_MAX, r) : r;
+}
+
+/* out[k * n + i] = residual_at(x[k * n + i], m[i]) for `rows` rows k of n elements against one
+ * row m; out is not x. The plain differences first, 16 at a time, summing r - r in lanes (0 while
+ * every r is finite, NaN once one is not, and NaN stays): only a call that met an infinite or
+ * NaN difference is redone with the rule (whose selects cost twice the difference itself). */
+static void residual_rows(const float *x, const float *m, int64_t n, int64_t rows, float *out) {
+    f32x16 nonfinite = {0};
+    int bad = 0;
+    for (int64_t k = 0; k < rows; k++) {
+        const float *xk = x + k * n;
+        float *ok = out + k * n;
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+            f32x16 a, b;
+            memcpy(&a, xk + i, sizeof a);
+            memcpy(&b, m + i, sizeof b);
+            const f32x16 r = a - b;
+            nonfinite += r - r;
+            memcpy(ok + i, &r, sizeof r);
+        }
+        for (; i < n; i++) {
+            ok[i] = xk[i] - m[i];
+            bad |= !isfinite(ok[i]);
+        }
     }
+    if (!(bad | any16(nonfinite != nonfinite))) return;
+    for (int64_t k = 0; k < rows; k++)
+        for (int64_t i = 0; i < n; i++) out[k * n + i] = residual_at(x[k * n + i], m[i]);
 }
 
 /* row[w] = the value of w's block for the W columns of a row, from its block row's nb[2]
@@ -303,7 +341,7 @@ static void spread_row(const geometry *g, const float *v, float *row) {
     }
 }
 
-/* Block means of map x into lfc (bf16) and its residual x - float(lfc), saturated (residual_row),
+/* Block means of map x into lfc (bf16) and its residual x - float(lfc), saturated (residual_rows),
  * into h, one block row at a time while its rows are in L1: the rows are read in memory order
  * (a cold map streams in) and added column-wise into colsum (colsum[w] = 0 + x[row 0][w] +
  * x[row 1][w] + ...), then each block adds its columns in order (0 + colsum[w0] + ...).
@@ -335,12 +373,12 @@ static void block_residual(const geometry *g, const float *x, float *colsum, flo
                 lfc[b] = bf16_nearest(mean);
                 means[j] = bf16_to_float(lfc[b]);
             }
-            /* the block row's rows of one d are contiguous: one residual_row call for them
+            /* the block row's rows of one d are contiguous: one residual_rows call for them
              * (a 4 x 4 map in one vector step, not four scalar rows) */
             spread_row(g, means, row);
             for (int64_t r = 1; r < h1 - h0; r++) memcpy(row + r * W, row, (size_t)W * sizeof *row);
             for (int64_t d = d0; d < d1; d++)
-                residual_row(x + (d * H + h0) * W, row, (h1 - h0) * W, h + (d * H + h0) * W);
+                residual_rows(x + (d * H + h0) * W, row, (h1 - h0) * W, 1, h + (d * H + h0) * W);
         }
     }
 }
@@ -377,6 +415,16 @@ static int add_block_values(const geometry *g, const float *x, const float *valu
     }
     return bad | any16(~finite);
 }
+
+/* CALL(b) with b the constant equal to bits (1, 2, 4, else 8), so that an always_inline kernel
+ * called there unrolls and vectorises for that width. */
+#define AT_CONSTANT_BITS(bits, CALL)  \
+    switch (bits) {                   \
+        case 1: CALL(1); break;       \
+        case 2: CALL(2); break;       \
+        case 4: CALL(4); break;       \
+        default: CALL(8);             \
+    }
 
 /* --- packing: code i of a row at bit (i % (8 / bits)) * bits of byte i / (8 / bits) ----------- */
 
@@ -495,12 +543,19 @@ static inline uint8_t quantize(float h, float u, float lo, float divisor, float 
     return (uint8_t)(int)t; /* t >= 0: truncation is the floor */
 }
 
-/* The codes of 16 residuals h with their uniforms u, lane-wise `quantize`. */
+/* The codes of 16 residuals h with their uniforms u, lane-wise `quantize`. The upper clamp is
+ * an integer min of the bit patterns: after the lower clamp each lane is +0, positive or +inf,
+ * whose patterns order as their values (one vpminsd, where GCC 12 gives a float min against the
+ * constant qmax as a compare and two operations, or as scalar code through less16). */
 static inline i32x16 quantize16(f32x16 h, f32x16 u, f32x16 vlo, f32x16 vdiv, f32x16 vmax) {
     const f32x16 zero = {0};
     f32x16 t = u + (h - vlo) / vdiv;
-    t = select16(t > zero, t, zero); /* NaN -> 0 */
-    t = select16(t < vmax, t, vmax);
+    t = select16(t > zero, t, zero); /* NaN and -0 -> +0 */
+    i32x16 tb, mb;
+    memcpy(&tb, &t, sizeof tb);
+    memcpy(&mb, &vmax, sizeof mb);
+    for (int l = 0; l < 16; l++) tb[l] = tb[l] < mb[l] ? tb[l] : mb[l];
+    memcpy(&t, &tb, sizeof t);
     return __builtin_convertvector(t, i32x16);
 }
 
@@ -547,12 +602,7 @@ static void quantize_pack(int64_t n, int bits, const float *h, const float *u, c
 #define QUANTIZE_AT(b)                                                                         \
     (gen ? quantize_pack_fixed(n, h, NULL, &s, ahead, lo, divisor, qmax, codes, b)             \
          : quantize_pack_fixed(n, h, u, NULL, ahead, lo, divisor, qmax, codes, b))
-    switch (bits) {
-        case 1: QUANTIZE_AT(1); break;
-        case 2: QUANTIZE_AT(2); break;
-        case 4: QUANTIZE_AT(4); break;
-        default: QUANTIZE_AT(8);
-    }
+    AT_CONSTANT_BITS(bits, QUANTIZE_AT);
 #undef QUANTIZE_AT
 }
 
@@ -587,8 +637,7 @@ static void scan_range(int64_t n, const float *h, float *mn_out, float *mx_out) 
         lane_nan |= v != v;
     }
     float mn = first_extreme(lane_mn, 0), mx = first_extreme(lane_mx, 1);
-    int nan = 0;
-    for (int l = 0; l < 8; l++) nan |= lane_nan[l];
+    int nan = any8(lane_nan);
     for (int64_t i = whole; i < n; i++) {
         mn = h[i] < mn ? h[i] : mn;
         mx = h[i] > mx ? h[i] : mx;
@@ -623,10 +672,10 @@ static void map_range(int64_t n, const float *h, float *mn_out, float *mx_out) {
     for (; i + 32 <= n; i += 32) {
         memcpy(&a, h + i, sizeof a);
         memcpy(&b, h + i + 16, sizeof b);
-        mn0 = select16(a < mn0, a, mn0);
-        mn1 = select16(b < mn1, b, mn1);
-        mx0 = select16(a > mx0, a, mx0);
-        mx1 = select16(b > mx1, b, mx1);
+        mn0 = less16(a, mn0);
+        mn1 = less16(b, mn1);
+        mx0 = greater16(a, mx0);
+        mx1 = greater16(b, mx1);
         nan |= (a != a) | (b != b);
         memcpy(&ai, &a, sizeof ai);
         memcpy(&bi, &b, sizeof bi);
@@ -634,15 +683,15 @@ static void map_range(int64_t n, const float *h, float *mn_out, float *mx_out) {
     }
     if (i + 16 <= n) {
         memcpy(&a, h + i, sizeof a);
-        mn0 = select16(a < mn0, a, mn0);
-        mx0 = select16(a > mx0, a, mx0);
+        mn0 = less16(a, mn0);
+        mx0 = greater16(a, mx0);
         nan |= a != a;
         memcpy(&ai, &a, sizeof ai);
         negzero |= ai == sign;
         i += 16;
     }
-    float lo = lanes_extreme(select16(mn1 < mn0, mn1, mn0), 0);
-    float hi = lanes_extreme(select16(mx1 > mx0, mx1, mx0), 1);
+    float lo = lanes_extreme(less16(mn1, mn0), 0);
+    float hi = lanes_extreme(greater16(mx1, mx0), 1);
     int any_nan = any16(nan), any_negzero = any16(negzero);
     for (; i < n; i++) {
         lo = h[i] < lo ? h[i] : lo;
@@ -678,12 +727,6 @@ static void quantize_map_with(int64_t n, int bits, const float *h, const float *
     *lo_out = lo;
     *step_out = step;
     quantize_pack(n, bits, h, u, gen, ahead, lo_f, step_f == 0.0f ? 1.0f : step_f, qmax, codes);
-}
-
-/* quantize_map_with given uniforms u (the token layouts' maps). */
-static void quantize_map(int64_t n, int bits, const float *h, const float *u, uint16_t *lo_out,
-                         uint16_t *step_out, uint8_t *codes) {
-    quantize_map_with(n, bits, h, u, NULL, NULL, lo_out, step_out, codes);
 }
 
 /* The most elements of a map that encode_small_maps takes (a 16 x 16 map). */
@@ -763,8 +806,7 @@ static inline __attribute__((always_inline)) int dequantize_fixed(
         finite &= finite16(v);
         memcpy(out + i, &v, sizeof v);
     }
-    int bad = 0;
-    for (int l = 0; l < 16; l++) bad |= !finite[l];
+    int bad = any16(~finite);
     const int per_byte = 8 / bits;
     for (; i < n; i++) {
         const float q = (float)((codes[i / per_byte] >> (i % per_byte * bits)) & ((1 << bits) - 1));
@@ -777,16 +819,13 @@ static inline __attribute__((always_inline)) int dequantize_fixed(
 /* dequantize_fixed with a run-time `bits` and `with_lo`. */
 static int dequantize_codes(const uint8_t *codes, int64_t n, int bits, float lo_f, float step_f,
                             int with_lo, float *out) {
+    int bad;
 #define DEQUANTIZE_AT(b)                                                                       \
-    (with_lo ? dequantize_fixed(codes, n, lo_f, step_f, out, b, 1)                             \
-             : dequantize_fixed(codes, n, lo_f, step_f, out, b, 0))
-    switch (bits) {
-        case 1: return DEQUANTIZE_AT(1);
-        case 2: return DEQUANTIZE_AT(2);
-        case 4: return DEQUANTIZE_AT(4);
-        default: return DEQUANTIZE_AT(8);
-    }
+    bad = with_lo ? dequantize_fixed(codes, n, lo_f, step_f, out, b, 1)                        \
+                  : dequantize_fixed(codes, n, lo_f, step_f, out, b, 0)
+    AT_CONSTANT_BITS(bits, DEQUANTIZE_AT);
 #undef DEQUANTIZE_AT
+    return bad;
 }
 
 /* The decode's edge rule for one map whose sums did not all stay finite: where the sum is not
@@ -991,7 +1030,7 @@ void freqact_unpack_mask(int64_t n, const uint8_t *packed, float off, float on, 
  * down 16 columns of the residual in place, `tok` maps from a 16-row strip transposed): min/max,
  * lo/step, SplitMix64 draws and quantise + pack in registers, nothing per map reduced across
  * lanes and no uniforms stored; the maps left over (maps % 16) and every map of a call with
- * given noise one by one as in the map kernels (quantize_map). Decode: mean + (q * step + lo)
+ * given noise one by one as in the map kernels (quantize_map_with). Decode: mean + (q * step + lo)
  * with the quant decode's edge rule, into a float32 (H * W, F) panel per sequence at
  * out + m * out_stride: `chan` maps 16 columns at a time straight from their code words into
  * the panel (dequantize_columns), the rest map by map; no transpose and no separate mean pass.
@@ -999,16 +1038,6 @@ void freqact_unpack_mask(int64_t n, const uint8_t *packed, float off, float on, 
 
 enum { T_M, T_H, T_W, T_F, T_BH, T_BW, T_BF, T_NBH, T_NBW, T_NBF, T_LH, T_LW, T_LF, T_STATS,
        T_CODE_BYTES, T_SM, T_SH, T_SW, T_SF, T_OUT_STRIDE, T_LEN };
-
-/* CALL(b) with b the constant equal to bits (1, 2, 4, else 8), so that an always_inline kernel
- * called there unrolls and vectorises for that width. */
-#define AT_CONSTANT_BITS(bits, CALL)  \
-    switch (bits) {                   \
-        case 1: CALL(1); break;       \
-        case 2: CALL(2); break;       \
-        case 4: CALL(4); break;       \
-        default: CALL(8);             \
-    }
 
 /* The OpenMP team for M sequences: no more threads than sequences (an idle thread's wake-up
  * and join cost a small call more than its share), at least one. */
@@ -1090,7 +1119,33 @@ static void mean_row(const int64_t *g, const uint16_t *lfc, block_row r, float *
         for (int64_t f = 0; f < F; f++) row[f] = bf16_to_float(base[f * g[T_LF]]);
         return;
     }
-    for (int64_t k = 0; k < g[T_NBF]; k++) {
+    /* 16 floats (two blocks) per store: residual_rows reads the row 16 floats at a time right
+     * after, and a load that spans two stores waits until they reach the cache (the store
+     * forwarding fails; for blocks of one token, in every row). 8 contiguous blocks' means
+     * from one load, then blocks in pairs, then one by one. */
+    int64_t k = 0;
+    if (bf == 8 && g[T_LF] == 1)
+        for (; (k + 8) * 8 <= F; k += 8) {
+            u16x8 b;
+            memcpy(&b, base + k, sizeof b);
+            const i32x8 bits = __builtin_convertvector(b, i32x8) << 16;
+            f32x8 v;
+            memcpy(&v, &bits, sizeof v);
+            const f32x16 out[4] = {
+                __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                __builtin_shufflevector(v, v, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+                __builtin_shufflevector(v, v, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5),
+                __builtin_shufflevector(v, v, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7)};
+            memcpy(row + k * 8, out, sizeof out);
+        }
+    if (bf == 8)
+        for (; (k + 2) * 8 <= F; k += 2) {
+            const float a = bf16_to_float(base[k * g[T_LF]]);
+            const float b = bf16_to_float(base[(k + 1) * g[T_LF]]);
+            const f32x16 v = {a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b};
+            memcpy(row + k * 8, &v, sizeof v);
+        }
+    for (; k < g[T_NBF]; k++) {
         const float v = bf16_to_float(base[k * g[T_LF]]);
         const int64_t f0 = k * bf, n = f0 + bf <= F ? bf : F - f0;
         if (n == 8) {
@@ -1157,8 +1212,7 @@ static void store_means8(const int64_t *g, const float *src, block_row r, int64_
     i32x8 bits;
     memcpy(&bits, &sum, sizeof bits);
     const i32x8 finite = (bits & 0x7F800000) != 0x7F800000;
-    int all_finite = 1;
-    for (int l = 0; l < 8; l++) all_finite &= finite[l] != 0;
+    const int all_finite = !any8(~finite);
     /* the common case: finite sums, stored contiguously (lanes extracted one by one are slow) */
     const int64_t first = per_token ? k0 : lfc_index(g, r.i, r.j, k0);
     const int contiguous = per_token ? g[T_H] == 1 && g[T_LW] == g[T_NBF] && g[T_LF] == 1
@@ -1257,14 +1311,61 @@ static void block_row_sums(const int64_t *g, const float *src, block_row r, floa
     }
 }
 
-/* Block means of the panel src ((H * W, F), contiguous) into lfc and its residual into p (which
- * may be src). acc, row: scratch of F floats. */
+/* Whether the panel's blocks are one token by 8 features with F a multiple of 16 (the `feat`
+ * blocks of 32 or 64 features): their means go 16 features (two blocks) at a time, spread in
+ * registers (pair_means), where a mean row per token cost more than its use. */
+static inline int token_pairs(const int64_t *g) {
+    return g[T_BH] * g[T_BW] == 1 && g[T_BF] == 8 && g[T_F] % 16 == 0;
+}
+
+/* The lfc of token t's blocks (token_pairs), lf apart. */
+static inline const uint16_t *token_lfc(const int64_t *g, const uint16_t *lfc, int64_t t) {
+    return lfc + lfc_index(g, t / g[T_W], t % g[T_W], 0);
+}
+
+/* The means of features f .. f + 15 (blocks f / 8 and f / 8 + 1) from a token's lfc. */
+static inline f32x16 pair_means(const uint16_t *means, int64_t f, int64_t lf) {
+    const float a = bf16_to_float(means[f / 8 * lf]), b = bf16_to_float(means[(f / 8 + 1) * lf]);
+    return (f32x16){a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b};
+}
+
+/* The residual of a token_pairs panel, its lfc known, checked as residual_rows checks it. */
+static void token_residual(const int64_t *g, const float *src, const uint16_t *lfc, float *p) {
+    const int64_t T = g[T_H] * g[T_W], F = g[T_F], lf = g[T_LF];
+    f32x16 nonfinite = {0};
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *means = token_lfc(g, lfc, t);
+        for (int64_t f = 0; f < F; f += 16) {
+            f32x16 x;
+            memcpy(&x, src + t * F + f, sizeof x);
+            const f32x16 r = x - pair_means(means, f, lf);
+            nonfinite += r - r;
+            memcpy(p + t * F + f, &r, sizeof r);
+        }
+    }
+    if (!any16(nonfinite != nonfinite)) return;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t f = 0; f < F; f += 16) {
+            const f32x16 mean = pair_means(token_lfc(g, lfc, t), f, lf);
+            for (int l = 0; l < 16; l++)
+                p[t * F + f + l] = residual_at(src[t * F + f + l], mean[l]);
+        }
+}
+
+/* Block means of the panel src ((H * W, F), contiguous) into lfc and its residual into p (not
+ * src). acc, row: scratch of F floats. */
 static void panel_residual(const int64_t *g, const float *src, float *p, uint16_t *lfc,
                            float *acc, float *row) {
     const int64_t W = g[T_W], F = g[T_F];
     /* blocks of one token x 8 features: their means first, for the whole panel */
     const int64_t done = g[T_BH] * g[T_BW] == 1 && g[T_BF] == 8 && F % 8 == 0
                          ? token_means(g, src, lfc) : 0;
+    if (token_pairs(g)) {
+        for (int64_t t = done; t < g[T_H] * W; t++)
+            row_means(g, src, block_row_at(g, t / W, t % W), src + t * F, 1.0f, lfc);
+        token_residual(g, src, lfc, p);
+        return;
+    }
     for (int64_t i = 0; i < g[T_NBH]; i++)
         for (int64_t j = 0; j < g[T_NBW]; j++) {
             const block_row r = block_row_at(g, i, j);
@@ -1274,9 +1375,10 @@ static void panel_residual(const int64_t *g, const float *src, float *p, uint16_
             if (sums == acc) block_row_sums(g, src, r, acc);
             if (r.h0 * W + r.w0 >= done) row_means(g, src, r, sums, tokens, lfc);
             mean_row(g, lfc, r, row);
+            /* the block row's tokens of one h are contiguous */
             for (int64_t h = r.h0; h < r.h1; h++)
-                for (int64_t w = r.w0; w < r.w1; w++)
-                    residual_row(src + (h * W + w) * F, row, F, p + (h * W + w) * F);
+                residual_rows(src + (h * W + r.w0) * F, row, F, r.w1 - r.w0,
+                              p + (h * W + r.w0) * F);
         }
 }
 
@@ -1284,28 +1386,12 @@ static void panel_residual(const int64_t *g, const float *src, float *p, uint16_
  *
  * Without given noise, the quant maps of a panel go 16 at a time in lanes: `chan` maps read
  * down 16 columns of the residual panel in place, `tok` maps (token rows) from a 16-row strip
- * transposed to 16 columns; the rest (maps % 16) one by one by quantize_map. No per-map
- * reductions and no uniforms written to memory. Per lane these are quantize_map's float
+ * transposed to 16 columns; the rest (maps % 16) one by one by quantize_map_with. No per-map
+ * reductions and no uniforms written to memory. Per lane these are quantize_map_with's float
  * operations (the same bytes; min/max as scan_range keeps them): min/max in 8 phase accumulators (element e of the
  * first n - n % 8 in phase e % 8) reduced as first_extreme reduces its lanes, then the tail
  * elements in order; the uniforms are those of the map's elements in the stream, drawn per
  * lane. */
-
-/* Lane-wise a < b ? a : b and a > b ? a : b: written per lane so that the compiler sees the
- * comparison and emits one vminps/vmaxps (exactly this, NaN and -0/+0 included) where a select
- * on a mask costs a compare and a blend. For running minima/maxima only: against a constant
- * vector GCC 12 leaves such a lane loop scalar. */
-static inline f32x16 less16(f32x16 a, f32x16 b) {
-    f32x16 r;
-    for (int l = 0; l < 16; l++) r[l] = a[l] < b[l] ? a[l] : b[l];
-    return r;
-}
-
-static inline f32x16 greater16(f32x16 a, f32x16 b) {
-    f32x16 r;
-    for (int l = 0; l < 16; l++) r[l] = a[l] > b[l] ? a[l] : b[l];
-    return r;
-}
 
 /* Lane-wise `mask ? a : b` on 16 bf16 bit patterns in int32 lanes */
 static inline i32x16 pick16(i32x16 mask, i32x16 a, i32x16 b) { return (mask & a) | (~mask & b); }
@@ -1400,7 +1486,7 @@ static inline f32x16 draw_uniforms(const u64x8 r[2], int hi) {
                                                17 - HI32, 19 - HI32, 21 - HI32, 23 - HI32,
                                                25 - HI32, 27 - HI32, 29 - HI32, 31 - HI32)
                            & 0xFFFFFF;
-    return __builtin_convertvector((i32x16)bits, f32x16) * splat16(0x1p-24f);
+    return uniform24(bits);
 }
 
 /* The next draw of 16 maps (their states z advanced by one draw). */
@@ -1488,11 +1574,11 @@ static void quantize_lanes(int64_t map0, int64_t n, int64_t cb, int bits, const 
 /* Quantise the residual panel p of sequence m: one map per token row (tok) or per feature
  * column (chan). Without given noise 16 maps at a time in lanes (quantize_lanes; tok rows
  * through a transposed 16-row strip in ht), the rest one by one (chan: the remaining columns
- * transposed into ht) with their uniforms drawn in one go (the panel's maps follow each other in
- * the stream). ht: scratch of T * F floats; u: of T * F + 16. */
+ * transposed into ht) as the map encode quantises its maps (quantize_map_with: their uniforms
+ * given, or drawn in registers). ht: scratch of T * F floats. */
 static void quantize_panel(const int64_t *g, int64_t m, int bits, const float *p, float *ht,
-                           const float *noise, uint64_t seed, float *u, uint16_t *lo,
-                           uint16_t *step, uint8_t *codes) {
+                           const float *noise, uint64_t seed, uint16_t *lo, uint16_t *step,
+                           uint8_t *codes) {
     const int64_t T = g[T_H] * g[T_W], F = g[T_F], cb = g[T_CODE_BYTES];
     const int chan = g[T_STATS] == 1;
     const int64_t maps = chan ? F : T, n = chan ? T : F;
@@ -1505,13 +1591,11 @@ static void quantize_panel(const int64_t *g, int64_t m, int bits, const float *p
     if (lanes == maps) return;
     if (chan) transpose(p + lanes, T, F - lanes, F, ht);
     const float *h = chan ? ht : p + lanes * F; /* the remaining maps, one after the other */
-    const int64_t first = (m * maps + lanes) * n; /* the first remaining element's stream index */
-    const float *uniforms = noise ? noise + first
-                                  : splitmix_uniforms(seed, (uint64_t)first, (maps - lanes) * n, u);
     for (int64_t r = lanes; r < maps; r++) {
         const int64_t map = m * maps + r;
-        quantize_map(n, bits, h + (r - lanes) * n, uniforms + (r - lanes) * n, lo + map,
-                     step + map, codes + map * cb);
+        const noise16 gen = noise ? (noise16){0} : noise_at(seed, (uint64_t)(map * n));
+        quantize_map_with(n, bits, h + (r - lanes) * n, noise ? noise + map * n : NULL,
+                          noise ? NULL : &gen, NULL, lo + map, step + map, codes + map * cb);
     }
 }
 
@@ -1533,24 +1617,22 @@ int freqact_token_encode(const int64_t *geom, int bits, const float *x, const fl
         float *ht = malloc((size_t)(T * F) * sizeof(float));
         float *acc = malloc((size_t)F * sizeof(float));
         float *row = malloc((size_t)F * sizeof(float));
-        float *u = noise ? NULL : malloc((size_t)(T * F + 16) * sizeof(float));
-        if (!p || !ht || !acc || !row || (!noise && !u)) {
+        if (!p || !ht || !acc || !row) {
             failed = 1;
         } else {
 #pragma omp for schedule(dynamic, 1)  /* a descheduled thread holds up no fixed share */
             for (int64_t m = 0; m < M; m++) {
-                const float *src = p;  /* a contiguous panel is read in place */
+                const float *src = ht;  /* a contiguous panel is read in place */
                 if (dense) src = x + m * geom[T_SM];
-                else gather_panel(geom, x + m * geom[T_SM], p);
+                else gather_panel(geom, x + m * geom[T_SM], ht); /* ht is free until quantize */
                 panel_residual(geom, src, p, lfc + m * nblocks, acc, row);
-                quantize_panel(geom, m, bits, p, ht, noise, seed, u, lo, step, codes);
+                quantize_panel(geom, m, bits, p, ht, noise, seed, lo, step, codes);
             }
         }
         free(p);
         free(ht);
         free(acc);
         free(row);
-        free(u);
     }
     return failed ? -1 : 0;
 }
@@ -1581,14 +1663,17 @@ static inline uint32_t load_word(const uint8_t *p, int64_t n) {
     return w;
 }
 
+/* How decode_word treats q * step + lo: known finite in every lane (nothing to check), checked
+ * (its lanes' finiteness returned), or with the quarter-scale edge rule applied lane by lane. */
+enum { H_FINITE, H_CHECK, H_FIX };
+
 /* Tokens w0 .. w0 + per_word - 1 (those below T) of the 16 chan maps at columns c, their codes
- * in lanes of `word`: out row t, columns c.. = (mean of t's block row) + (q * step + lo), the
- * quarter-scale edge rule applied lane by lane with `fix`. Returns the lanes' finiteness of
- * q * step + lo (all true with `fix`: nothing left to redo). always_inline with constant `bits`
- * and `fix`. */
+ * in lanes of `word`: out row t, columns c.. = (mean of t's block row) + (q * step + lo), per
+ * `rule`. Returns the lanes' finiteness of q * step + lo (all true unless H_CHECK found a value
+ * that is not). always_inline with constant `bits` and `rule`. */
 static inline __attribute__((always_inline)) i32x16 decode_word(
         const int64_t *g, int64_t w0, int64_t c, u32x16 word, f32x16 lo_f, f32x16 step_f,
-        const float *means, const int64_t *block_of, float *o, const int bits, const int fix) {
+        const float *means, const int64_t *block_of, float *o, const int bits, const int rule) {
     const int64_t T = g[T_H] * g[T_W], F = g[T_F];
     const int per_word = 32 / bits;
     i32x16 finite = ~(i32x16){0};
@@ -1599,9 +1684,9 @@ static inline __attribute__((always_inline)) i32x16 decode_word(
         const f32x16 q = __builtin_convertvector((i32x16)((word >> (uint32_t)(k * bits))
                                                           & ((1u << bits) - 1u)), f32x16);
         f32x16 h = q * step_f + lo_f;
-        if (fix) {
+        if (rule == H_FIX) {
             for (int l = 0; l < 16; l++) h[l] = quarter_rule(h[l], q[l], lo_f[l], step_f[l]);
-        } else {
+        } else if (rule == H_CHECK) {
             finite &= finite16(h);
         }
         f32x16 mean;
@@ -1610,6 +1695,58 @@ static inline __attribute__((always_inline)) i32x16 decode_word(
         memcpy(o + t * F + c, &v, sizeof v);
     }
     return finite;
+}
+
+/* Words 4 k0 .. 4 k0 + 3 of 16 rows of codes (row l at p + l * cb, its 16 bytes from p + 16 k0
+ * on) in lanes: w[k][l] = word 4 k0 + k of row l, as little-endian numbers (little-endian hosts
+ * only). 16 vector loads of 16 bytes and shuffles: filled word by word through 16 scalar stores
+ * and one vector load, each word cost a failed store forwarding (the stores not yet in L1). */
+static inline void load_words4(const uint8_t *p, int64_t cb, u32x16 w[4]) {
+    u32x4 r[16];
+    for (int l = 0; l < 16; l++) memcpy(&r[l], p + l * cb, sizeof r[l]);
+    u32x16 rows[4]; /* rows[i]: rows 4 i .. 4 i + 3, 4 words each */
+    for (int i = 0; i < 4; i++) {
+        const u32x8 a = __builtin_shufflevector(r[4 * i], r[4 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7);
+        const u32x8 b = __builtin_shufflevector(r[4 * i + 2], r[4 * i + 3], 0, 1, 2, 3, 4, 5, 6,
+                                                7);
+        rows[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
+                                          15);
+    }
+    /* half[k / 2][..]: words k (first 8 lanes) and k + 1 (last 8) of rows 0..7 (h = 0) or
+     * 8..15 (h = 1); then the halves joined */
+    for (int k = 0; k < 4; k += 2) {
+        u32x16 half[2];
+        for (int h = 0; h < 2; h++)
+            half[h] = k == 0 ? __builtin_shufflevector(rows[2 * h], rows[2 * h + 1], 0, 4, 8, 12,
+                                                       16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29)
+                             : __builtin_shufflevector(rows[2 * h], rows[2 * h + 1], 2, 6, 10, 14,
+                                                       18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27,
+                                                       31);
+        w[k] = __builtin_shufflevector(half[0], half[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
+                                       20, 21, 22, 23);
+        w[k + 1] = __builtin_shufflevector(half[0], half[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                           26, 27, 28, 29, 30, 31);
+    }
+}
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+#define LITTLE_ENDIAN_HOST 0
+#else
+#define LITTLE_ENDIAN_HOST 1
+#endif
+
+/* Decode word w0 / per_word of the 16 maps (`decode_word`): when every lane's q * step + lo is
+ * known finite in one pass, else checked and, where a lane is not, redone with the edge rule. */
+static inline __attribute__((always_inline)) void decode_word_ruled(
+        const int64_t *g, int64_t w0, int64_t c, u32x16 word, f32x16 lo_f, f32x16 step_f,
+        int finite, const float *means, const int64_t *block_of, float *o, const int bits) {
+    if (finite) {
+        decode_word(g, w0, c, word, lo_f, step_f, means, block_of, o, bits, H_FINITE);
+        return;
+    }
+    const i32x16 ok = decode_word(g, w0, c, word, lo_f, step_f, means, block_of, o, bits,
+                                  H_CHECK);
+    if (any16(~ok)) decode_word(g, w0, c, word, lo_f, step_f, means, block_of, o, bits, H_FIX);
 }
 
 /* The 16 chan maps of sequence m at columns c decoded straight into the output panel o: per
@@ -1626,17 +1763,27 @@ static inline __attribute__((always_inline)) void dequantize_columns_fixed(
     memcpy(&step16, step + map0, sizeof step16);
     const f32x16 lo_f = bf16_to_float16(__builtin_convertvector(lo16, i32x16));
     const f32x16 step_f = bf16_to_float16(__builtin_convertvector(step16, i32x16));
+    /* q * step + lo is monotonic in q (each rounding is), so it is finite for every code when
+     * it is for q = 0 and q = 2^bits - 1: then no lane needs a check per token */
+    const f32x16 qmax = splat16((float)((1 << bits) - 1));
+    const int finite = !any16(~(finite16(lo_f + splat16(0.0f) * step_f)
+                                & finite16(qmax * step_f + lo_f)));
     const uint8_t *cm = codes + map0 * cb;
     const int per_word = 32 / bits;
-    for (int64_t w0 = 0; w0 < T; w0 += per_word) {
+    int64_t w0 = 0;
+    /* 4 words at a time from whole 16-byte groups of the rows, then the rest word by word */
+    for (; LITTLE_ENDIAN_HOST && w0 / per_word * 4 + 16 <= cb; w0 += 4 * per_word) {
+        u32x16 words[4];
+        load_words4(cm + w0 / per_word * 4, cb, words);
+        for (int k = 0; k < 4; k++)
+            decode_word_ruled(g, w0 + k * per_word, c, words[k], lo_f, step_f, finite, means,
+                              block_of, o, bits);
+    }
+    for (; w0 < T; w0 += per_word) {
         const int64_t at = w0 / per_word * 4, n = cb - at < 4 ? cb - at : 4;
         u32x16 word;
         for (int l = 0; l < 16; l++) word[l] = load_word(cm + l * cb + at, n);
-        const i32x16 finite = decode_word(g, w0, c, word, lo_f, step_f, means, block_of, o,
-                                          bits, 0);
-        int all = 1;
-        for (int l = 0; l < 16; l++) all &= finite[l] != 0;
-        if (!all) decode_word(g, w0, c, word, lo_f, step_f, means, block_of, o, bits, 1);
+        decode_word_ruled(g, w0, c, word, lo_f, step_f, finite, means, block_of, o, bits);
     }
 }
 
@@ -1675,10 +1822,19 @@ int freqact_token_decode(const int64_t *geom, int bits, const uint16_t *lfc, con
         } else {
 #pragma omp for schedule(dynamic, 1)  /* a descheduled thread holds up no fixed share */
             for (int64_t m = 0; m < M; m++) {
-                for (int64_t i = 0; i < geom[T_NBH]; i++)
-                    for (int64_t j = 0; j < nbw; j++)
-                        mean_row(geom, lfc + m * nblocks, block_row_at(geom, i, j),
-                                 means + (i * nbw + j) * F);
+                if (token_pairs(geom)) { /* one mean row per token, in one loop */
+                    for (int64_t t = 0; t < T; t++)
+                        for (int64_t f = 0; f < F; f += 16) {
+                            const f32x16 v = pair_means(token_lfc(geom, lfc + m * nblocks, t),
+                                                        f, geom[T_LF]);
+                            memcpy(means + t * F + f, &v, sizeof v);
+                        }
+                } else {
+                    for (int64_t i = 0; i < geom[T_NBH]; i++)
+                        for (int64_t j = 0; j < nbw; j++)
+                            mean_row(geom, lfc + m * nblocks, block_row_at(geom, i, j),
+                                     means + (i * nbw + j) * F);
+                }
                 float *o = out + m * geom[T_OUT_STRIDE];
                 for (int64_t c = 0; c < lanes; c += 16)
                     dequantize_columns(geom, m, c, bits, lo, step, codes, means, block_of, o);
@@ -1756,7 +1912,7 @@ static void encode_small_maps(const geometry *g, int64_t m0, int bits, const flo
             }
         }
         /* per row, its 16 lanes' block means spread over its W columns (rebuilt when the block
-         * row changes), then one residual_row call over the row's W x 16 floats */
+         * row changes), then one residual_rows call over the row's W x 16 floats */
         for (int64_t r = 0, current = -1; r < n / W; r++) {
             if (g->row_blocks[r] != current) {
                 current = g->row_blocks[r];
@@ -1764,7 +1920,7 @@ static void encode_small_maps(const geometry *g, int64_t m0, int bits, const flo
                     memcpy(mrow + w * 16, means + (current * g->nb[2] + w / bw) * 16,
                            16 * sizeof(float));
             }
-            residual_row(xt + r * W * 16, mrow, W * 16, ht + r * W * 16);
+            residual_rows(xt + r * W * 16, mrow, W * 16, 1, ht + r * W * 16);
         }
         h = ht;
     }
