@@ -90,13 +90,21 @@ def _memory_in_fresh_process(name: str, batch: int, mode: str) -> dict:
                                    env=FRESH_MEMORY_ENV)
 
 
+def layout_off_twin(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(a copy of model, the copy compiled with Inductor's layout optimization off): graphs of
+    its own. Dynamo guards on the compile backend, not on which module instance runs, so
+    `torch.compile(copy.deepcopy(model))` alone reused model's compiled (layout-on) graphs: the
+    "compiled layout-off" row timed the "compiled" graphs until 2026-12-02."""
+    twin = copy.deepcopy(model)
+    return twin, torch.compile(twin, options={"layout_optimization": False})
+
+
 def step_times(name: str, batch: int, repeats: int) -> dict:
     """Median training-step seconds per mode; the modes take turns (one step each per round)."""
     model, compiled, x, y = _setup(name, batch)
-    # a copy for the layout-off graphs (dynamo would reuse the model's graphs for the model)
-    twin = copy.deepcopy(model)
+    twin, compiled_twin = layout_off_twin(model)
     nets = {mode: (model, compiled) for mode in STEP_MODES}
-    nets["compiled layout-off"] = (twin, torch.compile(twin))
+    nets["compiled layout-off"] = (twin, compiled_twin)
     optimizers = {id(m): torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
                   for m in (model, twin)}
 
