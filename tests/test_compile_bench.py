@@ -16,3 +16,19 @@ def test_layout_off_twin_compiles_its_own_graphs():
     compiled_twin(x)
     assert counters["stats"]["unique_graphs"] == 2  # a plain torch.compile(twin) made 1
     assert all(p is not q for p, q in zip(twin.parameters(), model.parameters()))
+
+
+def test_profile_breakdown_names_the_codec_ops(monkeypatch):
+    from benchmarks import compile_bench
+
+    def tiny(name, batch):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                              nn.Flatten(), nn.Linear(8 * 16 * 16, 10))
+        return model, torch.compile(model), torch.randn(batch, 3, 16, 16), torch.randint(0, 10, (batch,))
+
+    monkeypatch.setattr(compile_bench, "_setup", tiny)
+    rows = compile_bench.profile_breakdown("tiny", 4, steps=1, rounds=1)
+    ops = {row[0]: row for row in rows}
+    assert ops["freqact::division_encode"][1] == 0 < ops["freqact::division_encode"][3]
+    assert rows[-1][0] == "total" and rows[-1][3] == rows[-1][2] - rows[-1][1]
