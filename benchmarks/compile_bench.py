@@ -17,6 +17,7 @@ Prints a table and writes benchmarks/results/compile-<device>.json.
 
     python -m benchmarks.compile_bench                   # both models
     python -m benchmarks.compile_bench --models resnet18
+    python -m benchmarks.compile_bench --profile          # per-op breakdown of the extra time
 """
 from __future__ import annotations
 
@@ -90,13 +91,21 @@ def _memory_in_fresh_process(name: str, batch: int, mode: str) -> dict:
                                    env=FRESH_MEMORY_ENV)
 
 
+def layout_off_twin(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(a copy of model, the copy compiled with Inductor's layout optimization off): graphs of
+    its own. Dynamo guards on the compile backend, not on which module instance runs, so
+    `torch.compile(copy.deepcopy(model))` alone reused model's compiled (layout-on) graphs: the
+    "compiled layout-off" row timed the "compiled" graphs until 2026-12-02."""
+    twin = copy.deepcopy(model)
+    return twin, torch.compile(twin, options={"layout_optimization": False})
+
+
 def step_times(name: str, batch: int, repeats: int) -> dict:
     """Median training-step seconds per mode; the modes take turns (one step each per round)."""
     model, compiled, x, y = _setup(name, batch)
-    # a copy for the layout-off graphs (dynamo would reuse the model's graphs for the model)
-    twin = copy.deepcopy(model)
+    twin, compiled_twin = layout_off_twin(model)
     nets = {mode: (model, compiled) for mode in STEP_MODES}
-    nets["compiled layout-off"] = (twin, torch.compile(twin))
+    nets["compiled layout-off"] = (twin, compiled_twin)
     optimizers = {id(m): torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
                   for m in (model, twin)}
 
@@ -116,11 +125,52 @@ def step_times(name: str, batch: int, repeats: int) -> dict:
     return {mode: statistics.median(seconds) for mode, seconds in times.items()}
 
 
+def profile_breakdown(name: str, batch: int, steps: int = 3, rounds: int = 2) -> list[list]:
+    """Where compiled+division's extra step time goes: per op (torch.profiler self CPU time, the
+    Inductor-generated kernels and their Python counted under "compiled graph"), ms per training
+    step in compiled and compiled+division mode, each the least of `rounds` profiles of `steps`
+    steps (the modes take turns). Rows: [op, compiled ms, division ms, extra ms], largest extra
+    first, then a total row."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, compiled, x, y = _setup(name, batch)
+    modes = ("compiled", "compiled+division")
+
+    def step(mode):
+        model.zero_grad(set_to_none=True)
+        _loss(model, compiled, x, y, mode).backward()
+
+    for mode in modes * 2:  # compiles, then one warm step each
+        step(mode)
+    best = {mode: {} for mode in modes}
+    for _ in range(rounds):
+        for mode in modes:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(steps):
+                    step(mode)
+            per_op: dict = {}
+            for event in prof.key_averages():
+                key = ("compiled graph" if event.key.startswith("## Call CompiledFxGraph")
+                       else event.key)
+                per_op[key] = per_op.get(key, 0.0) + event.self_cpu_time_total / 1e3 / steps
+            for key in per_op.keys() | best[mode].keys():
+                best[mode][key] = min(best[mode].get(key, float("inf")), per_op.get(key, 0.0))
+    plain, coded = best["compiled"], best["compiled+division"]
+    rows = [[key, plain.get(key, 0.0), coded.get(key, 0.0), coded.get(key, 0.0) - plain.get(key, 0.0)]
+            for key in plain.keys() | coded.keys()]
+    rows.sort(key=lambda row: -abs(row[3]))
+    total = [sum(row[i] for row in rows) for i in (1, 2)]
+    return rows + [["total", *total, total[1] - total[0]]]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per median")
     parser.add_argument("--models", nargs="+", default=[n for n, _ in CASES],
                         choices=[n for n, _ in CASES], help="the models to run (default: all)")
+    parser.add_argument("--profile", action="store_true",
+                        help="print where compiled+division's extra step time goes, per op "
+                             "(torch.profiler), instead of the memory and step tables")
     parser.add_argument("--memory-case", nargs=3, metavar=("MODEL", "BATCH", "MODE"),
                         help=argparse.SUPPRESS)  # internal: one memory case, JSON on stdout
     args = parser.parse_args(argv)
@@ -132,6 +182,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     cases = [(name, batch) for name, batch in CASES if name in args.models]
+    if args.profile:
+        for name, batch in cases:
+            rows = profile_breakdown(name, batch)
+            print(f"{name} b{batch}, {torch.get_num_threads()} threads, ms per step "
+                  f"(profiler self time)")
+            print_table(["op", "compiled", "compiled+division", "extra"],
+                        [row for row in rows[:-1] if abs(row[3]) >= 0.5] + rows[-1:])
+        return 0
     memory = [_memory_in_fresh_process(name, batch, mode)
               for name, batch in cases for mode in MEMORY_MODES]
     plain = {r["model"]: r["held_bytes"] for r in memory if r["mode"] == "compiled"}

