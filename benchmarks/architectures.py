@@ -57,8 +57,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DIVISION = {"block": 8, "bits": 2}
 MODES = ("normal", "division")
 # the families the step-time goal is about: the zoo's defaults, and the same models at the widths
-# of ViT-S/16, Swin-T and a 512-wide decoder (the codec's cost per saved tensor is fixed, the
-# matmuls' grows with the width: the zoo's small defaults are the hard case)
+# of ViT-S/16, Swin-T and a 512-wide decoder (the codec's Python cost is fixed per saved tensor and
+# its kernels' grows with the elements saved, the matmuls' with the width squared: the zoo's small
+# defaults are the hard case)
 TRANSFORMERS = ("vit", "swin", "gpt", "vit-s", "swin-t", "gpt-512")
 
 
