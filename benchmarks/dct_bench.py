@@ -122,6 +122,14 @@ def _key(shape: Sequence[int]) -> str:
     return "x".join(map(str, shape))
 
 
+def _use_threads(threads: int | None) -> int:
+    """Give torch `threads` threads (None: its default) and return scipy's workers for the same
+    setting (None: -1, every core)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return -1 if threads is None else threads
+
+
 def alone_times(shapes: Sequence[Sequence[int]], device: str, warmup: int, repeats: int, workers: int,
                 seed: int = 0) -> dict[str, dict[str, float]]:
     """Each method timed alone on each shape: {shape key: {method: median seconds}}.
@@ -165,9 +173,7 @@ def run(
         (rows, per_process): one dict per (shape, method); and per process its alone medians,
         {shape key: {method: ms}}.
     """
-    if threads is not None:
-        torch.set_num_threads(threads)
-    workers = -1 if threads is None else threads
+    workers = _use_threads(threads)
     turns = {}
     for shape, x in _inputs(SHAPES, device, seed):
         reference = scipy.fft.dctn(x.cpu().double().numpy(), type=2, norm="ortho", axes=(-2, -1))
@@ -257,11 +263,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _arguments(argv)
     if args.alone_process:
-        if args.threads is not None:
-            torch.set_num_threads(args.threads)
         shapes = [tuple(int(n) for n in key.split("x")) for key in args.alone_process]
         print(json.dumps(alone_times(shapes, args.device, args.warmup, args.repeats,
-                                     args.threads or -1, args.seed)))
+                                     _use_threads(args.threads), args.seed)))
         return 0
     load_before = os.getloadavg()[0]  # printed with the load at the end, kept in the JSON
     rows, per_process = run(args.device, args.warmup, args.repeats, args.threads, args.seed,

@@ -8,10 +8,19 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks import dct_bench
 
 TINY = [(2, 3, 8, 8)]
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    """`--threads 1` sets torch's threads for the process: give the later tests theirs back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 def _counting(monkeypatch) -> dict[str, int]:

@@ -458,8 +458,8 @@ static void stream_fence(void) {
  * transform, which starts as soon as its thread runs out of chunks (a page written before its
  * chunk is populated faults in as it would have without). The transform loops end without a
  * barrier too (nowait: what follows them is per thread), so the end of the team is the one wait
- * (docs/ARCHITECTURE.md gives the A/B against barriers after a static share). Advice only: where THP is off, the kernel is older, or the pages are already there, nothing changes
- * but the time. */
+ * (docs/ARCHITECTURE.md gives the A/B against barriers after a static share). Advice only: where
+ * THP is off, the kernel is older, or the pages are already there, nothing changes but the time. */
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
