@@ -1464,12 +1464,14 @@ static inline void store_word(uint32_t w, uint8_t *out, int64_t n) {
     for (int64_t b = 0; b < n; b++) out[b] = (uint8_t)(w >> (8 * b));
 }
 
-/* Where the high 32 bits of a 64-bit lane sit when the lane is viewed as two 32-bit lanes. */
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-#define HI32 0
+#define LITTLE_ENDIAN_HOST 0
 #else
-#define HI32 1
+#define LITTLE_ENDIAN_HOST 1
 #endif
+
+/* Where the high 32 bits of a 64-bit lane sit when the lane is viewed as two 32-bit lanes. */
+#define HI32 LITTLE_ENDIAN_HOST
 
 /* The uniforms of 16 draws r (two halves of 8 lanes) from bits 40-63 (hi) or 16-39: the 32-bit
  * halves that hold them picked by one two-source permute (vpermt2d), 24 bits per lane scaled to
@@ -1728,12 +1730,6 @@ static inline void load_words4(const uint8_t *p, int64_t cb, u32x16 w[4]) {
                                            26, 27, 28, 29, 30, 31);
     }
 }
-
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-#define LITTLE_ENDIAN_HOST 0
-#else
-#define LITTLE_ENDIAN_HOST 1
-#endif
 
 /* Decode word w0 / per_word of the 16 maps (`decode_word`): when every lane's q * step + lo is
  * known finite in one pass, else checked and, where a lane is not, redone with the edge rule. */
