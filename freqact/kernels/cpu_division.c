@@ -828,9 +828,18 @@ static int dequantize_codes(const uint8_t *codes, int64_t n, int bits, float lo_
     return bad;
 }
 
+/* The decode's edge rule for one value h whose quarter-scale sum (the same sum of quarters) is
+ * `quarter`: where h overflowed while quarter is finite, quarter times 4, saturated at +-FLT_MAX;
+ * else h. */
+static inline float at_quarter_scale(float h, float quarter) {
+    if (isfinite(h) || !isfinite(quarter)) return h;
+    const float v = quarter * 4.0f;
+    return isfinite(v) ? v : (v > 0 ? FLT_MAX : -FLT_MAX);
+}
+
 /* The decode's edge rule for one map whose sums did not all stay finite: where the sum is not
- * finite but q * (step / 4) + (lfc / 4 + lo / 4) is, out = that times 4, saturated at +-FLT_MAX.
- * base, scaled, row: the decode's scratch (overwritten). */
+ * finite but q * (step / 4) + (lfc / 4 + lo / 4) is, out = that times 4, saturated at +-FLT_MAX
+ * (at_quarter_scale). base, scaled, row: the decode's scratch (overwritten). */
 static void redo_at_quarter_scale(const geometry *g, const uint16_t *lfc, float lo_f, float step_f,
                                const uint8_t *q, float *base, float *scaled, float *row,
                                float *out) {
@@ -838,11 +847,7 @@ static void redo_at_quarter_scale(const geometry *g, const uint16_t *lfc, float 
         base[b] = lfc ? bf16_to_float(lfc[b]) * 0.25f + lo_f * 0.25f : lo_f * 0.25f;
     for (int64_t i = 0; i < g->numel; i++) scaled[i] = (float)q[i] * (step_f * 0.25f);
     add_block_values(g, scaled, base, row, scaled);
-    for (int64_t i = 0; i < g->numel; i++) {
-        if (isfinite(out[i]) || !isfinite(scaled[i])) continue;
-        const float v = scaled[i] * 4.0f;
-        out[i] = isfinite(v) ? v : (v > 0 ? FLT_MAX : -FLT_MAX);
-    }
+    for (int64_t i = 0; i < g->numel; i++) out[i] = at_quarter_scale(out[i], scaled[i]);
 }
 
 static inline float positive_or_zero(unsigned bit, float v, float tiny) {
@@ -1639,13 +1644,10 @@ int freqact_token_encode(const int64_t *geom, int bits, const float *x, const fl
     return failed ? -1 : 0;
 }
 
-/* The quant decode's edge rule for one value h = q * step + lo: where it overflowed while
- * q * (step / 4) + lo / 4 is finite, that times 4, saturated at +-FLT_MAX; else h. */
+/* The quant decode's edge rule for one value h = q * step + lo: at_quarter_scale with the
+ * quarter-scale sum q * (step / 4) + lo / 4. */
 static inline float quarter_rule(float h, float q, float lo_f, float step_f) {
-    const float quarter = q * (step_f * 0.25f) + lo_f * 0.25f;
-    if (isfinite(h) || !isfinite(quarter)) return h;
-    const float v = quarter * 4.0f;
-    return isfinite(v) ? v : (v > 0 ? FLT_MAX : -FLT_MAX);
+    return at_quarter_scale(h, q * (step_f * 0.25f) + lo_f * 0.25f);
 }
 
 /* out[i] = q[i] * step + lo for the n codes packed at `codes`, with the edge rule (quarter_rule).
