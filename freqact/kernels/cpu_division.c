@@ -68,6 +68,16 @@ static void free_geometry(geometry *g) {
  * maps, D, H, W, block extents bd, bh, bw, block counts nbd, nbh, nbw, bytes of one map's codes. */
 enum { G_MAPS, G_D, G_H, G_W, G_BD, G_BH, G_BW, G_NBD, G_NBH, G_NBW, G_CODE_BYTES, G_LEN };
 
+/* The elements of block b: [lo[k], hi[k]) per dim k (D, H, W), edge blocks cut at the map's
+ * end. */
+static void block_bounds(const geometry *g, int64_t b, int64_t lo[3], int64_t hi[3]) {
+    for (int k = 2; k >= 0; k--) {
+        lo[k] = (b % g->nb[k]) * g->blk[k];
+        hi[k] = lo[k] + g->blk[k] < g->size[k] ? lo[k] + g->blk[k] : g->size[k];
+        b /= g->nb[k];
+    }
+}
+
 /* Fills g and its tables from the geometry array; returns 0, or -1 (tables freed) if they could
  * not be allocated. */
 static int make_geometry(geometry *g, const int64_t *geom) {
@@ -90,13 +100,10 @@ static int make_geometry(geometry *g, const int64_t *geom) {
         g->row_blocks[r] = (r / h / g->blk[0]) * g->nb[1] + (r % h) / g->blk[1];
     for (int64_t b = 0; b < g->nblocks; b++) {
         /* (float)(cd * ch * cw) as the reference's float32 product of the three extents. */
-        int64_t rest = b;
+        int64_t lo[3], hi[3];
+        block_bounds(g, b, lo, hi);
         float count = 1.0f;
-        for (int k = 2; k >= 0; k--) {
-            const int64_t start = (rest % g->nb[k]) * g->blk[k];
-            rest /= g->nb[k];
-            count *= (float)(start + g->blk[k] <= g->size[k] ? g->blk[k] : g->size[k] - start);
-        }
+        for (int k = 2; k >= 0; k--) count *= (float)(hi[k] - lo[k]);
         g->counts[b] = count;
     }
     return 0;
@@ -1884,11 +1891,8 @@ static void encode_small_maps(const geometry *g, int64_t m0, int bits, const flo
         /* block_residual's sums per block: per column 0 + its rows in order, then 0 + the
          * columns */
         for (int64_t b = 0; b < g->nblocks; b++) {
-            const int64_t j = b % g->nb[2], hb = b / g->nb[2] % g->nb[1];
-            const int64_t db = b / g->nb[2] / g->nb[1];
-            int64_t lo3[3] = {db * g->blk[0], hb * g->blk[1], j * bw}, hi3[3];
-            for (int k = 0; k < 3; k++)
-                hi3[k] = lo3[k] + g->blk[k] < g->size[k] ? lo3[k] + g->blk[k] : g->size[k];
+            int64_t lo3[3], hi3[3];
+            block_bounds(g, b, lo3, hi3);
             f32x16 sum = {0};
             for (int64_t w = lo3[2]; w < hi3[2]; w++) {
                 f32x16 col = {0};
