@@ -600,15 +600,16 @@ static inline __attribute__((always_inline)) void quantize_pack_fixed(
     pack_row(q, n - i, codes + i * bits / 8, bits);
 }
 
-/* gen: the map's noise state, or NULL (then u). */
-static void quantize_pack(int64_t n, int bits, const float *h, const float *u, const noise16 *gen,
-                          const float *ahead, float lo, float divisor, float qmax,
+/* u: the map's uniforms, or NULL to draw them from the stream of seed at element `first` (the
+ * map's noise state a local, whose address no other path takes: it stays in registers). */
+static void quantize_pack(int64_t n, int bits, const float *h, const float *u, uint64_t seed,
+                          uint64_t first, const float *ahead, float lo, float divisor, float qmax,
                           uint8_t *codes) {
-    noise16 s = {0}; /* a local copy, whose address no other path takes, stays in registers */
-    if (gen) s = *gen;
+    noise16 s = {0};
+    if (!u) s = noise_at(seed, first);
 #define QUANTIZE_AT(b)                                                                         \
-    (gen ? quantize_pack_fixed(n, h, NULL, &s, ahead, lo, divisor, qmax, codes, b)             \
-         : quantize_pack_fixed(n, h, u, NULL, ahead, lo, divisor, qmax, codes, b))
+    (u ? quantize_pack_fixed(n, h, u, NULL, ahead, lo, divisor, qmax, codes, b)                \
+       : quantize_pack_fixed(n, h, NULL, &s, ahead, lo, divisor, qmax, codes, b))
     AT_CONSTANT_BITS(bits, QUANTIZE_AT);
 #undef QUANTIZE_AT
 }
@@ -716,10 +717,11 @@ static void map_range(int64_t n, const float *h, float *mn_out, float *mx_out) {
     }
 }
 
-/* h: the map's residual (n floats); its uniforms: u, or when u is NULL drawn from gen; ahead:
- * NULL or the next map's input, prefetched (quantize_pack_fixed). */
-static void quantize_map_with(int64_t n, int bits, const float *h, const float *u,
-                              const noise16 *gen, const float *ahead,
+/* h: the residual of the map whose elements are elements first .. first + n - 1 of the stream;
+ * its uniforms: noise + first (noise: the whole tensor's), or when noise is NULL drawn from
+ * seed; ahead: NULL or the next map's input, prefetched (quantize_pack_fixed). */
+static void quantize_map_with(int64_t n, int bits, const float *h, const float *noise,
+                              uint64_t seed, uint64_t first, const float *ahead,
                               uint16_t *lo_out, uint16_t *step_out, uint8_t *codes) {
     float mn, mx;
     map_range(n, h, &mn, &mx);
@@ -733,7 +735,8 @@ static void quantize_map_with(int64_t n, int bits, const float *h, const float *
     const float step_f = bf16_to_float(step);
     *lo_out = lo;
     *step_out = step;
-    quantize_pack(n, bits, h, u, gen, ahead, lo_f, step_f == 0.0f ? 1.0f : step_f, qmax, codes);
+    quantize_pack(n, bits, h, noise ? noise + first : NULL, seed, first, ahead, lo_f,
+                  step_f == 0.0f ? 1.0f : step_f, qmax, codes);
 }
 
 /* The most elements of a map that encode_small_maps takes (a 16 x 16 map). */
@@ -780,11 +783,9 @@ int freqact_division_encode(const int64_t *geom, int bits, const float *x, const
                 if (block)
                     block_residual(&g, xm, rows, rows + W, rows + (1 + g.blk[1]) * W,
                                    lfc + m * g.nblocks, residual);
-                noise16 gen = noise ? (noise16){0} : noise_at(seed, (uint64_t)(m * g.numel));
-                quantize_map_with(g.numel, bits, block ? residual : xm,
-                                  noise ? noise + m * g.numel : NULL, noise ? NULL : &gen,
-                                  m + 1 < maps ? xm + g.numel : NULL, lo + m, step + m,
-                                  codes + m * g.code_bytes);
+                quantize_map_with(g.numel, bits, block ? residual : xm, noise, seed,
+                                  (uint64_t)(m * g.numel), m + 1 < maps ? xm + g.numel : NULL,
+                                  lo + m, step + m, codes + m * g.code_bytes);
             }
         }
         free(rows);
@@ -1607,9 +1608,8 @@ static void quantize_panel(const int64_t *g, int64_t m, int bits, const float *p
     const float *h = chan ? ht : p + lanes * F; /* the remaining maps, one after the other */
     for (int64_t r = lanes; r < maps; r++) {
         const int64_t map = m * maps + r;
-        const noise16 gen = noise ? (noise16){0} : noise_at(seed, (uint64_t)(map * n));
-        quantize_map_with(n, bits, h + (r - lanes) * n, noise ? noise + map * n : NULL,
-                          noise ? NULL : &gen, NULL, lo + map, step + map, codes + map * cb);
+        quantize_map_with(n, bits, h + (r - lanes) * n, noise, seed, (uint64_t)(map * n), NULL,
+                          lo + map, step + map, codes + map * cb);
     }
 }
 
