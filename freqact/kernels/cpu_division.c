@@ -398,7 +398,7 @@ static int add_block_values(const geometry *g, const float *x, const float *valu
     const int64_t W = g->size[2], rows = g->size[0] * g->size[1];
     int64_t current = -1;
     int bad = 0;
-    i32x16 finite = finite16(splat16(0.0f)); /* all lanes true */
+    i32x16 finite = ~(i32x16){0}; /* all lanes true */
     for (int64_t r = 0; r < rows; r++) {
         if (g->row_blocks[r] != current) {
             current = g->row_blocks[r];
@@ -805,8 +805,7 @@ static inline __attribute__((always_inline)) int dequantize_fixed(
         const uint8_t *codes, int64_t n, float lo_f, float step_f, float *out, const int bits,
         const int with_lo) {
     const f32x16 vstep = splat16(step_f), vlo = splat16(lo_f);
-    i32x16 finite = finite16(vstep); /* all lanes true (step is finite or the map is all NaN) */
-    finite |= ~finite;
+    i32x16 finite = ~(i32x16){0}; /* all lanes true */
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
         f32x16 v = __builtin_convertvector(unpack16(codes + i * bits / 8, bits), f32x16) * vstep;
@@ -1401,10 +1400,10 @@ static void panel_residual(const int64_t *g, const float *src, float *p, uint16_
  * down 16 columns of the residual panel in place, `tok` maps (token rows) from a 16-row strip
  * transposed to 16 columns; the rest (maps % 16) one by one by quantize_map_with. No per-map
  * reductions and no uniforms written to memory. Per lane these are quantize_map_with's float
- * operations (the same bytes; min/max as scan_range keeps them): min/max in 8 phase accumulators (element e of the
- * first n - n % 8 in phase e % 8) reduced as first_extreme reduces its lanes, then the tail
- * elements in order; the uniforms are those of the map's elements in the stream, drawn per
- * lane. */
+ * operations (the same bytes; min/max as scan_range keeps them): min/max in 8 phase
+ * accumulators (element e of the first n - n % 8 in phase e % 8) reduced as first_extreme
+ * reduces its lanes, then the tail elements in order; the uniforms are those of the map's
+ * elements in the stream, drawn per lane. */
 
 /* Lane-wise `mask ? a : b` on 16 bf16 bit patterns in int32 lanes */
 static inline i32x16 pick16(i32x16 mask, i32x16 a, i32x16 b) { return (mask & a) | (~mask & b); }
@@ -1687,7 +1686,7 @@ static inline __attribute__((always_inline)) i32x16 decode_word(
         const float *means, const int64_t *block_of, float *o, const int bits, const int rule) {
     const int64_t T = g[T_H] * g[T_W], F = g[T_F];
     const int per_word = 32 / bits;
-    i32x16 finite = ~(i32x16){0};
+    i32x16 finite = ~(i32x16){0}; /* all lanes true */
 #pragma GCC unroll 32
     for (int k = 0; k < per_word; k++) {
         const int64_t t = w0 + k;
