@@ -835,9 +835,9 @@ static int dequantize_codes(const uint8_t *codes, int64_t n, int bits, float lo_
     return bad;
 }
 
-/* The decode's edge rule for one value h whose quarter-scale sum (the same sum of quarters) is
- * `quarter`: where h overflowed while quarter is finite, quarter times 4, saturated at +-FLT_MAX;
- * else h. */
+/* The decode's edge rule for one value h whose quarter-scale sum (the same sum with every term
+ * divided by 4) is `quarter`: where h overflowed while quarter is finite, quarter times 4,
+ * saturated at +-FLT_MAX; else h. */
 static inline float at_quarter_scale(float h, float quarter) {
     if (isfinite(h) || !isfinite(quarter)) return h;
     const float v = quarter * 4.0f;
