@@ -68,6 +68,16 @@ static void free_geometry(geometry *g) {
  * maps, D, H, W, block extents bd, bh, bw, block counts nbd, nbh, nbw, bytes of one map's codes. */
 enum { G_MAPS, G_D, G_H, G_W, G_BD, G_BH, G_BW, G_NBD, G_NBH, G_NBW, G_CODE_BYTES, G_LEN };
 
+/* The elements of block b: [lo[k], hi[k]) per dim k (D, H, W), edge blocks cut at the map's
+ * end. */
+static void block_bounds(const geometry *g, int64_t b, int64_t lo[3], int64_t hi[3]) {
+    for (int k = 2; k >= 0; k--) {
+        lo[k] = (b % g->nb[k]) * g->blk[k];
+        hi[k] = lo[k] + g->blk[k] < g->size[k] ? lo[k] + g->blk[k] : g->size[k];
+        b /= g->nb[k];
+    }
+}
+
 /* Fills g and its tables from the geometry array; returns 0, or -1 (tables freed) if they could
  * not be allocated. */
 static int make_geometry(geometry *g, const int64_t *geom) {
@@ -90,13 +100,10 @@ static int make_geometry(geometry *g, const int64_t *geom) {
         g->row_blocks[r] = (r / h / g->blk[0]) * g->nb[1] + (r % h) / g->blk[1];
     for (int64_t b = 0; b < g->nblocks; b++) {
         /* (float)(cd * ch * cw) as the reference's float32 product of the three extents. */
-        int64_t rest = b;
+        int64_t lo[3], hi[3];
+        block_bounds(g, b, lo, hi);
         float count = 1.0f;
-        for (int k = 2; k >= 0; k--) {
-            const int64_t start = (rest % g->nb[k]) * g->blk[k];
-            rest /= g->nb[k];
-            count *= (float)(start + g->blk[k] <= g->size[k] ? g->blk[k] : g->size[k] - start);
-        }
+        for (int k = 2; k >= 0; k--) count *= (float)(hi[k] - lo[k]);
         g->counts[b] = count;
     }
     return 0;
@@ -391,7 +398,7 @@ static int add_block_values(const geometry *g, const float *x, const float *valu
     const int64_t W = g->size[2], rows = g->size[0] * g->size[1];
     int64_t current = -1;
     int bad = 0;
-    i32x16 finite = finite16(splat16(0.0f)); /* all lanes true */
+    i32x16 finite = ~(i32x16){0}; /* all lanes true */
     for (int64_t r = 0; r < rows; r++) {
         if (g->row_blocks[r] != current) {
             current = g->row_blocks[r];
@@ -593,15 +600,16 @@ static inline __attribute__((always_inline)) void quantize_pack_fixed(
     pack_row(q, n - i, codes + i * bits / 8, bits);
 }
 
-/* gen: the map's noise state, or NULL (then u). */
-static void quantize_pack(int64_t n, int bits, const float *h, const float *u, const noise16 *gen,
-                          const float *ahead, float lo, float divisor, float qmax,
+/* u: the map's uniforms, or NULL to draw them from the stream of seed at element `first` (the
+ * map's noise state a local, whose address no other path takes: it stays in registers). */
+static void quantize_pack(int64_t n, int bits, const float *h, const float *u, uint64_t seed,
+                          uint64_t first, const float *ahead, float lo, float divisor, float qmax,
                           uint8_t *codes) {
-    noise16 s = {0}; /* a local copy, whose address no other path takes, stays in registers */
-    if (gen) s = *gen;
+    noise16 s = {0};
+    if (!u) s = noise_at(seed, first);
 #define QUANTIZE_AT(b)                                                                         \
-    (gen ? quantize_pack_fixed(n, h, NULL, &s, ahead, lo, divisor, qmax, codes, b)             \
-         : quantize_pack_fixed(n, h, u, NULL, ahead, lo, divisor, qmax, codes, b))
+    (u ? quantize_pack_fixed(n, h, u, NULL, ahead, lo, divisor, qmax, codes, b)                \
+       : quantize_pack_fixed(n, h, NULL, &s, ahead, lo, divisor, qmax, codes, b))
     AT_CONSTANT_BITS(bits, QUANTIZE_AT);
 #undef QUANTIZE_AT
 }
@@ -709,10 +717,11 @@ static void map_range(int64_t n, const float *h, float *mn_out, float *mx_out) {
     }
 }
 
-/* h: the map's residual (n floats); its uniforms: u, or when u is NULL drawn from gen; ahead:
- * NULL or the next map's input, prefetched (quantize_pack_fixed). */
-static void quantize_map_with(int64_t n, int bits, const float *h, const float *u,
-                              const noise16 *gen, const float *ahead,
+/* h: the residual of the map whose elements are elements first .. first + n - 1 of the stream;
+ * its uniforms: noise + first (noise: the whole tensor's), or when noise is NULL drawn from
+ * seed; ahead: NULL or the next map's input, prefetched (quantize_pack_fixed). */
+static void quantize_map_with(int64_t n, int bits, const float *h, const float *noise,
+                              uint64_t seed, uint64_t first, const float *ahead,
                               uint16_t *lo_out, uint16_t *step_out, uint8_t *codes) {
     float mn, mx;
     map_range(n, h, &mn, &mx);
@@ -726,7 +735,8 @@ static void quantize_map_with(int64_t n, int bits, const float *h, const float *
     const float step_f = bf16_to_float(step);
     *lo_out = lo;
     *step_out = step;
-    quantize_pack(n, bits, h, u, gen, ahead, lo_f, step_f == 0.0f ? 1.0f : step_f, qmax, codes);
+    quantize_pack(n, bits, h, noise ? noise + first : NULL, seed, first, ahead, lo_f,
+                  step_f == 0.0f ? 1.0f : step_f, qmax, codes);
 }
 
 /* The most elements of a map that encode_small_maps takes (a 16 x 16 map). */
@@ -773,11 +783,9 @@ int freqact_division_encode(const int64_t *geom, int bits, const float *x, const
                 if (block)
                     block_residual(&g, xm, rows, rows + W, rows + (1 + g.blk[1]) * W,
                                    lfc + m * g.nblocks, residual);
-                noise16 gen = noise ? (noise16){0} : noise_at(seed, (uint64_t)(m * g.numel));
-                quantize_map_with(g.numel, bits, block ? residual : xm,
-                                  noise ? noise + m * g.numel : NULL, noise ? NULL : &gen,
-                                  m + 1 < maps ? xm + g.numel : NULL, lo + m, step + m,
-                                  codes + m * g.code_bytes);
+                quantize_map_with(g.numel, bits, block ? residual : xm, noise, seed,
+                                  (uint64_t)(m * g.numel), m + 1 < maps ? xm + g.numel : NULL,
+                                  lo + m, step + m, codes + m * g.code_bytes);
             }
         }
         free(rows);
@@ -797,8 +805,7 @@ static inline __attribute__((always_inline)) int dequantize_fixed(
         const uint8_t *codes, int64_t n, float lo_f, float step_f, float *out, const int bits,
         const int with_lo) {
     const f32x16 vstep = splat16(step_f), vlo = splat16(lo_f);
-    i32x16 finite = finite16(vstep); /* all lanes true (step is finite or the map is all NaN) */
-    finite |= ~finite;
+    i32x16 finite = ~(i32x16){0}; /* all lanes true */
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
         f32x16 v = __builtin_convertvector(unpack16(codes + i * bits / 8, bits), f32x16) * vstep;
@@ -828,9 +835,18 @@ static int dequantize_codes(const uint8_t *codes, int64_t n, int bits, float lo_
     return bad;
 }
 
+/* The decode's edge rule for one value h whose quarter-scale sum (the same sum with every term
+ * divided by 4) is `quarter`: where h overflowed while quarter is finite, quarter times 4,
+ * saturated at +-FLT_MAX; else h. */
+static inline float at_quarter_scale(float h, float quarter) {
+    if (isfinite(h) || !isfinite(quarter)) return h;
+    const float v = quarter * 4.0f;
+    return isfinite(v) ? v : (v > 0 ? FLT_MAX : -FLT_MAX);
+}
+
 /* The decode's edge rule for one map whose sums did not all stay finite: where the sum is not
- * finite but q * (step / 4) + (lfc / 4 + lo / 4) is, out = that times 4, saturated at +-FLT_MAX.
- * base, scaled, row: the decode's scratch (overwritten). */
+ * finite but q * (step / 4) + (lfc / 4 + lo / 4) is, out = that times 4, saturated at +-FLT_MAX
+ * (at_quarter_scale). base, scaled, row: the decode's scratch (overwritten). */
 static void redo_at_quarter_scale(const geometry *g, const uint16_t *lfc, float lo_f, float step_f,
                                const uint8_t *q, float *base, float *scaled, float *row,
                                float *out) {
@@ -838,11 +854,7 @@ static void redo_at_quarter_scale(const geometry *g, const uint16_t *lfc, float 
         base[b] = lfc ? bf16_to_float(lfc[b]) * 0.25f + lo_f * 0.25f : lo_f * 0.25f;
     for (int64_t i = 0; i < g->numel; i++) scaled[i] = (float)q[i] * (step_f * 0.25f);
     add_block_values(g, scaled, base, row, scaled);
-    for (int64_t i = 0; i < g->numel; i++) {
-        if (isfinite(out[i]) || !isfinite(scaled[i])) continue;
-        const float v = scaled[i] * 4.0f;
-        out[i] = isfinite(v) ? v : (v > 0 ? FLT_MAX : -FLT_MAX);
-    }
+    for (int64_t i = 0; i < g->numel; i++) out[i] = at_quarter_scale(out[i], scaled[i]);
 }
 
 static inline float positive_or_zero(unsigned bit, float v, float tiny) {
@@ -1388,10 +1400,10 @@ static void panel_residual(const int64_t *g, const float *src, float *p, uint16_
  * down 16 columns of the residual panel in place, `tok` maps (token rows) from a 16-row strip
  * transposed to 16 columns; the rest (maps % 16) one by one by quantize_map_with. No per-map
  * reductions and no uniforms written to memory. Per lane these are quantize_map_with's float
- * operations (the same bytes; min/max as scan_range keeps them): min/max in 8 phase accumulators (element e of the
- * first n - n % 8 in phase e % 8) reduced as first_extreme reduces its lanes, then the tail
- * elements in order; the uniforms are those of the map's elements in the stream, drawn per
- * lane. */
+ * operations (the same bytes; min/max as scan_range keeps them): min/max in 8 phase
+ * accumulators (element e of the first n - n % 8 in phase e % 8) reduced as first_extreme
+ * reduces its lanes, then the tail elements in order; the uniforms are those of the map's
+ * elements in the stream, drawn per lane. */
 
 /* Lane-wise `mask ? a : b` on 16 bf16 bit patterns in int32 lanes */
 static inline i32x16 pick16(i32x16 mask, i32x16 a, i32x16 b) { return (mask & a) | (~mask & b); }
@@ -1464,12 +1476,14 @@ static inline void store_word(uint32_t w, uint8_t *out, int64_t n) {
     for (int64_t b = 0; b < n; b++) out[b] = (uint8_t)(w >> (8 * b));
 }
 
-/* Where the high 32 bits of a 64-bit lane sit when the lane is viewed as two 32-bit lanes. */
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-#define HI32 0
+#define LITTLE_ENDIAN_HOST 0
 #else
-#define HI32 1
+#define LITTLE_ENDIAN_HOST 1
 #endif
+
+/* Where the high 32 bits of a 64-bit lane sit when the lane is viewed as two 32-bit lanes. */
+#define HI32 LITTLE_ENDIAN_HOST
 
 /* The uniforms of 16 draws r (two halves of 8 lanes) from bits 40-63 (hi) or 16-39: the 32-bit
  * halves that hold them picked by one two-source permute (vpermt2d), 24 bits per lane scaled to
@@ -1593,9 +1607,8 @@ static void quantize_panel(const int64_t *g, int64_t m, int bits, const float *p
     const float *h = chan ? ht : p + lanes * F; /* the remaining maps, one after the other */
     for (int64_t r = lanes; r < maps; r++) {
         const int64_t map = m * maps + r;
-        const noise16 gen = noise ? (noise16){0} : noise_at(seed, (uint64_t)(map * n));
-        quantize_map_with(n, bits, h + (r - lanes) * n, noise ? noise + map * n : NULL,
-                          noise ? NULL : &gen, NULL, lo + map, step + map, codes + map * cb);
+        quantize_map_with(n, bits, h + (r - lanes) * n, noise, seed, (uint64_t)(map * n), NULL,
+                          lo + map, step + map, codes + map * cb);
     }
 }
 
@@ -1637,13 +1650,10 @@ int freqact_token_encode(const int64_t *geom, int bits, const float *x, const fl
     return failed ? -1 : 0;
 }
 
-/* The quant decode's edge rule for one value h = q * step + lo: where it overflowed while
- * q * (step / 4) + lo / 4 is finite, that times 4, saturated at +-FLT_MAX; else h. */
+/* The quant decode's edge rule for one value h = q * step + lo: at_quarter_scale with the
+ * quarter-scale sum q * (step / 4) + lo / 4. */
 static inline float quarter_rule(float h, float q, float lo_f, float step_f) {
-    const float quarter = q * (step_f * 0.25f) + lo_f * 0.25f;
-    if (isfinite(h) || !isfinite(quarter)) return h;
-    const float v = quarter * 4.0f;
-    return isfinite(v) ? v : (v > 0 ? FLT_MAX : -FLT_MAX);
+    return at_quarter_scale(h, q * (step_f * 0.25f) + lo_f * 0.25f);
 }
 
 /* out[i] = q[i] * step + lo for the n codes packed at `codes`, with the edge rule (quarter_rule).
@@ -1676,7 +1686,7 @@ static inline __attribute__((always_inline)) i32x16 decode_word(
         const float *means, const int64_t *block_of, float *o, const int bits, const int rule) {
     const int64_t T = g[T_H] * g[T_W], F = g[T_F];
     const int per_word = 32 / bits;
-    i32x16 finite = ~(i32x16){0};
+    i32x16 finite = ~(i32x16){0}; /* all lanes true */
 #pragma GCC unroll 32
     for (int k = 0; k < per_word; k++) {
         const int64_t t = w0 + k;
@@ -1728,12 +1738,6 @@ static inline void load_words4(const uint8_t *p, int64_t cb, u32x16 w[4]) {
                                            26, 27, 28, 29, 30, 31);
     }
 }
-
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-#define LITTLE_ENDIAN_HOST 0
-#else
-#define LITTLE_ENDIAN_HOST 1
-#endif
 
 /* Decode word w0 / per_word of the 16 maps (`decode_word`): when every lane's q * step + lo is
  * known finite in one pass, else checked and, where a lane is not, redone with the edge rule. */
@@ -1886,11 +1890,8 @@ static void encode_small_maps(const geometry *g, int64_t m0, int bits, const flo
         /* block_residual's sums per block: per column 0 + its rows in order, then 0 + the
          * columns */
         for (int64_t b = 0; b < g->nblocks; b++) {
-            const int64_t j = b % g->nb[2], hb = b / g->nb[2] % g->nb[1];
-            const int64_t db = b / g->nb[2] / g->nb[1];
-            int64_t lo3[3] = {db * g->blk[0], hb * g->blk[1], j * bw}, hi3[3];
-            for (int k = 0; k < 3; k++)
-                hi3[k] = lo3[k] + g->blk[k] < g->size[k] ? lo3[k] + g->blk[k] : g->size[k];
+            int64_t lo3[3], hi3[3];
+            block_bounds(g, b, lo3, hi3);
             f32x16 sum = {0};
             for (int64_t w = lo3[2]; w < hi3[2]; w++) {
                 f32x16 col = {0};

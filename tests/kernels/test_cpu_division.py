@@ -132,8 +132,12 @@ def test_cached_geometry_and_c_arrays_equal_fresh_ones():
         args = cpu._geometry_args(geom, 2)
         assert args is cpu._geometry_args(geom, 2)
         assert list(args) == list(cpu._geometry_args.__wrapped__(geom, 2))
-    before = fmt._cached_geometry.cache_info().currsize
-    assert fmt.geometry((2, 3, 8, 8), True).block is True  # a bool block: computed, not cached
-    assert fmt._cached_geometry.cache_info().currsize == before
+    # a bool block is computed, not cached: not the cached block 1's geometry (True == 1 as a
+    # key), and no lookup at all (hits and misses count lookups even when the cache is full)
+    assert fmt.geometry((2, 3, 8, 8), 1).block == 1
+    info = fmt._cached_geometry.cache_info()
+    assert fmt.geometry((2, 3, 8, 8), True).block is True
+    after = fmt._cached_geometry.cache_info()
+    assert (after.hits, after.misses) == (info.hits, info.misses)
     with pytest.raises((TypeError, ValueError)):
         fmt.geometry((2, 3, 8.0, 8), 4)  # refused as before
