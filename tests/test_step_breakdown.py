@@ -1,0 +1,52 @@
+"""benchmarks/step_breakdown.py: exclusive part times, restored functions, one tiny family."""
+from __future__ import annotations
+
+import time
+import types
+from collections import Counter
+
+import pytest
+
+from benchmarks import architectures, step_breakdown
+from freqact.kernels import cpu
+
+
+def _burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_a_part_is_timed_without_the_parts_it_calls(monkeypatch):
+    ns = types.SimpleNamespace()
+
+    def inner():
+        _burn(0.04)
+
+    def outer():
+        _burn(0.02)
+        ns.inner()
+
+    ns.inner, ns.outer = inner, outer
+    monkeypatch.setattr(step_breakdown, "PARTS", ((ns, "inner", "in"), (ns, "outer", "out")))
+    with step_breakdown.timed_parts(Counter()) as seconds:
+        ns.outer()
+    assert seconds["in"] == pytest.approx(0.04, abs=0.01)
+    assert seconds["out"] == pytest.approx(0.02, abs=0.01)  # 0.06 if inner were counted twice
+    assert ns.inner is inner and ns.outer is outer
+
+
+def test_tiny_gpt_breakdown_names_its_parts():
+    case = architectures._cases(quick=True)["gpt"]
+    row = step_breakdown.breakdown(case, steps=1)
+    assert row["parts_ms"]["C token encode"] > 0 and row["parts_ms"]["pack hook, rest"] > 0
+    # exclusive times: the parts together never take longer than the division steps
+    assert sum(row["parts_ms"].values()) < row["division_ms"]
+    assert cpu.token_encode.__name__ == "token_encode"  # restored after the run
+
+
+def test_steps_below_one_are_refused(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        step_breakdown.main(["--steps", "0"])
+    assert exit_.value.code == 2 and "--steps: expected an integer >= 1, got 0" in (
+        capsys.readouterr().err)
