@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                         choices=list(cases), help="families to break down (default gpt swin vit)")
     parser.add_argument("--steps", type=int, default=12, help="timed steps per mode (default 12)")
     parser.add_argument("--batch", type=int, default=None, help="every family at this batch")
-    parser.add_argument("--out", default=None,
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "step-breakdown-cpu.json",
                         help="results JSON (default results/step-breakdown-cpu.json)")
     args = parser.parse_args(argv)
     for name in ("steps", "batch"):
@@ -141,10 +141,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['normal_ms']:.1f} ms, division {row['division_ms']:.1f} ms (medians of "
               f"{args.steps}); parts: means per division step")
         print_table(["part", "ms a step", "% of normal step"], table_rows(row))
-    path = Path(args.out) if args.out else RESULTS_DIR / "step-breakdown-cpu.json"
-    written = write_results(path.stem, {"settings": {"steps": args.steps, "threads": 1,
-                                                     "division": architectures.DIVISION},
-                                        "rows": rows}, directory=path.parent)
+    settings = {"steps": args.steps, "threads": 1, "division": architectures.DIVISION}
+    written = write_results(args.out.stem, {"settings": settings, "rows": rows},
+                            directory=args.out.parent)
     print(f"wrote {written}")
     return 0
 
