@@ -17,8 +17,8 @@
  *      + row 1 + ..., then each block's columns in order) -> lfc = bf16(sum / count), rounded to
  *      nearest even (as torch's .to(bfloat16)), and h = x - float(lfc) for its rows while they
  *      are in L1;
- *   2. the min and max of h (a NaN anywhere makes both NaN; -0 or +0 as an 8-lane scan keeps it,
- *      scan_range);
+ *   2. the min and max of h (a NaN anywhere makes both NaN; a zero min or max is +0, whatever
+ *      the scan order: min + 0.0f, as the reference);
  *   3. lo = bf16 rounded down from min, step = bf16 rounded up from (max - lo) / (2^Q - 1),
  *      codes = clamp(floor(u + (h - lo) / step), 0, 2^Q - 1) (step 0 divides by 1), packed
  *      8 / Q per byte, code i at bit (i % (8 / Q)) * Q of byte i / (8 / Q); the next map's input
@@ -614,47 +614,6 @@ static void quantize_pack(int64_t n, int bits, const float *h, const float *u, u
 #undef QUANTIZE_AT
 }
 
-/* The lane of v that a scan in lane order keeps when a lane replaces the running value only if
- * strictly below it (above it for `max`): adjacent lanes pairwise, the lower lane winning ties,
- * so that of -0 and +0 the same one is kept as by that scan (lo's sign bit depends on it). */
-static inline float first_extreme(f32x8 v, int max) {
-    const f32x8 a4 = __builtin_shufflevector(v, v, 0, 2, 4, 6, 0, 2, 4, 6);
-    const f32x8 b4 = __builtin_shufflevector(v, v, 1, 3, 5, 7, 1, 3, 5, 7);
-    v = select(max ? b4 > a4 : b4 < a4, b4, a4);
-    const f32x8 a2 = __builtin_shufflevector(v, v, 0, 2, 0, 2, 0, 2, 0, 2);
-    const f32x8 b2 = __builtin_shufflevector(v, v, 1, 3, 1, 3, 1, 3, 1, 3);
-    v = select(max ? b2 > a2 : b2 < a2, b2, a2);
-    return (max ? v[1] > v[0] : v[1] < v[0]) ? v[1] : v[0];
-}
-
-/* The map's min and max as defined: 8 lanes (element i of the first n - n % 8 in lane i % 8),
- * each scanned in order, a lane's value replaced only by one strictly below it (above it for
- * the max), the lanes reduced by first_extreme, then the last n % 8 elements in order; NaNs
- * skipped by the comparisons and counted apart: any NaN makes min and max NaN, as torch.aminmax
- * does. Of -0 and +0 this keeps a defined one (lo's and step's sign bits depend on it). */
-static void scan_range(int64_t n, const float *h, float *mn_out, float *mx_out) {
-    f32x8 lane_mn, lane_mx;
-    i32x8 lane_nan = {0};
-    for (int l = 0; l < 8; l++) lane_mn[l] = INFINITY, lane_mx[l] = -INFINITY;
-    const int64_t whole = n - n % 8;
-    for (int64_t i = 0; i < whole; i += 8) {
-        f32x8 v;
-        memcpy(&v, h + i, sizeof v);
-        lane_mn = select(v < lane_mn, v, lane_mn);
-        lane_mx = select(v > lane_mx, v, lane_mx);
-        lane_nan |= v != v;
-    }
-    float mn = first_extreme(lane_mn, 0), mx = first_extreme(lane_mx, 1);
-    int nan = any8(lane_nan);
-    for (int64_t i = whole; i < n; i++) {
-        mn = h[i] < mn ? h[i] : mn;
-        mx = h[i] > mx ? h[i] : mx;
-        nan |= h[i] != h[i];
-    }
-    *mn_out = nan ? NAN : mn;
-    *mx_out = nan ? NAN : mx;
-}
-
 /* The smallest (largest with `max`) of the 16 lanes, in any order: halves folded together. */
 static inline float lanes_extreme(f32x16 v, int max) {
     f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
@@ -668,14 +627,12 @@ static inline float lanes_extreme(f32x16 v, int max) {
     return (max ? b[0] > a[0] : b[0] < a[0]) ? b[0] : a[0];
 }
 
-/* scan_range's result, faster: 16 lanes in two independent chains, reduced in any order. Among
- * the values that compare equal to the min (max) only -0 and +0 differ in their bits, so the
- * order matters only when the min or max is zero and the map holds a -0: only such a map is
- * rescanned by scan_range (a ReLU map's zeros are +0: its min of 0 needs no second pass). */
+/* The min and max of the map's n elements (NaN for both when it holds a NaN, as torch.aminmax),
+ * zeros as +0 (min + 0.0f: -0 + 0 = +0), so the order of the scan does not matter: 16 lanes in
+ * two independent chains, reduced in any order. */
 static void map_range(int64_t n, const float *h, float *mn_out, float *mx_out) {
     f32x16 mn0 = splat16(INFINITY), mn1 = mn0, mx0 = splat16(-INFINITY), mx1 = mx0, a, b;
-    i32x16 nan = {0}, negzero = {0}, ai, bi;
-    const i32x16 sign = (i32x16){0} + INT32_MIN; /* the bits of -0.0f */
+    i32x16 nan = {0};
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
         memcpy(&a, h + i, sizeof a);
@@ -685,36 +642,24 @@ static void map_range(int64_t n, const float *h, float *mn_out, float *mx_out) {
         mx0 = greater16(a, mx0);
         mx1 = greater16(b, mx1);
         nan |= (a != a) | (b != b);
-        memcpy(&ai, &a, sizeof ai);
-        memcpy(&bi, &b, sizeof bi);
-        negzero |= (ai == sign) | (bi == sign);
     }
     if (i + 16 <= n) {
         memcpy(&a, h + i, sizeof a);
         mn0 = less16(a, mn0);
         mx0 = greater16(a, mx0);
         nan |= a != a;
-        memcpy(&ai, &a, sizeof ai);
-        negzero |= ai == sign;
         i += 16;
     }
     float lo = lanes_extreme(less16(mn1, mn0), 0);
     float hi = lanes_extreme(greater16(mx1, mx0), 1);
-    int any_nan = any16(nan), any_negzero = any16(negzero);
+    int any_nan = any16(nan);
     for (; i < n; i++) {
         lo = h[i] < lo ? h[i] : lo;
         hi = h[i] > hi ? h[i] : hi;
         any_nan |= h[i] != h[i];
-        any_negzero |= h[i] == 0.0f && signbit(h[i]);
     }
-    if (any_nan) {
-        *mn_out = *mx_out = NAN;
-    } else if (any_negzero && (lo == 0.0f || hi == 0.0f)) {
-        scan_range(n, h, mn_out, mx_out);
-    } else {
-        *mn_out = lo;
-        *mx_out = hi;
-    }
+    *mn_out = any_nan ? NAN : lo + 0.0f;
+    *mx_out = any_nan ? NAN : hi + 0.0f;
 }
 
 /* h: the residual of the map whose elements are elements first .. first + n - 1 of the stream;
@@ -1400,10 +1345,9 @@ static void panel_residual(const int64_t *g, const float *src, float *p, uint16_
  * down 16 columns of the residual panel in place, `tok` maps (token rows) from a 16-row strip
  * transposed to 16 columns; the rest (maps % 16) one by one by quantize_map_with. No per-map
  * reductions and no uniforms written to memory. Per lane these are quantize_map_with's float
- * operations (the same bytes; min/max as scan_range keeps them): min/max in 8 phase
- * accumulators (element e of the first n - n % 8 in phase e % 8) reduced as first_extreme
- * reduces its lanes, then the tail elements in order; the uniforms are those of the map's
- * elements in the stream, drawn per lane. */
+ * operations (the same bytes): min/max in 8 phase accumulators (element e of the first
+ * n - n % 8 in phase e % 8, independent chains), reduced, then the tail elements, zeros as +0;
+ * the uniforms are those of the map's elements in the stream, drawn per lane. */
 
 /* Lane-wise `mask ? a : b` on 16 bf16 bit patterns in int32 lanes */
 static inline i32x16 pick16(i32x16 mask, i32x16 a, i32x16 b) { return (mask & a) | (~mask & b); }
@@ -1426,14 +1370,13 @@ static inline f32x16 bf16_to_float16(i32x16 b) {
     return f;
 }
 
-/* Combine phases of accumulators pairwise as first_extreme combines lanes: acc[a] keeps its
- * value unless acc[b] is strictly below (above for max). */
+/* Combine phases of accumulators pairwise: acc[a] keeps its value unless acc[b] is strictly
+ * below (above for max). */
 static inline void combine_phases(f32x16 *acc, int a, int b, int max) {
     acc[a] = max ? greater16(acc[b], acc[a]) : less16(acc[b], acc[a]);
 }
 
-/* Phases k and k + step of accumulators combined into k for step = 1, 2, 4, as first_extreme
- * combines its lanes. */
+/* Phases k and k + step of accumulators combined into k for step = 1, 2, 4. */
 static inline void reduce_phases(f32x16 *mn, f32x16 *mx) {
     for (int step = 1; step < 8; step *= 2)
         for (int k = 0; k < 8; k += 2 * step) {
@@ -1443,7 +1386,7 @@ static inline void reduce_phases(f32x16 *mn, f32x16 *mx) {
 }
 
 /* min and max of 16 maps of n elements in lanes (element e of all 16 at p + e * stride), NaN
- * where a map has one, in scan_range's order. The 8 phases are unrolled so that their
+ * where a map has one, zeros as +0 (as map_range). The 8 phases are unrolled so that their
  * accumulators stay in registers (indexed by e % 8 they were kept on the stack: a store and a
  * reload per element). */
 static void lanes_range(const float *p, int64_t n, int64_t stride, f32x16 *mn_out,
@@ -1467,8 +1410,8 @@ static void lanes_range(const float *p, int64_t n, int64_t stride, f32x16 *mn_ou
         mx[0] = greater16(v, mx[0]);
         nan |= v != v;
     }
-    *mn_out = select16(nan, splat16(NAN), mn[0]);
-    *mx_out = select16(nan, splat16(NAN), mx[0]);
+    *mn_out = select16(nan, splat16(NAN), mn[0] + 0.0f);
+    *mx_out = select16(nan, splat16(NAN), mx[0] + 0.0f);
 }
 
 /* The 4-byte word w of codes at out (its first n <= 4 bytes), little-endian. */

@@ -61,9 +61,12 @@ def _per_map(t: torch.Tensor, geom: Geometry) -> torch.Tensor:
 
 def _lo_and_step(h: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 lo = min(h) rounded down and step = (max(h) - lo) / (2**Q - 1) rounded up, per map;
-    a span that overflows float32 in a finite map is taken as max / qmax - lo / qmax instead."""
+    a span that overflows float32 in a finite map is taken as max / qmax - lo / qmax instead.
+    A zero min or max is +0 (`+ 0.0`: -0 + 0 = +0): which of -0 and +0 a min keeps depends on
+    its scan order, which differs between torch's own reductions, C and Triton."""
     qmax = 2**bits - 1
     h_min, h_max = torch.aminmax(h, dim=-1)  # a NaN anywhere in a map makes both NaN
+    h_min, h_max = h_min + 0.0, h_max + 0.0
     lo = bf16_directed(h_min, up=False)
     span = h_max - lo.float()
     over = span.isinf() & h_max.isfinite() & lo.isfinite()

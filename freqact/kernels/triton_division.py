@@ -196,8 +196,9 @@ def _encode_kernel(
         # NaN in x, or Inf (whose block mean makes its residual NaN), poisons the whole map.
         bad = tl.where(live & (r != r), 1, bad)
 
-    lo_bits = _bf16_bits_directed(tl.min(tl.min(r_min, axis=2), axis=1), UP=False)  # (MPP,)
-    hi = tl.max(tl.max(r_max, axis=2), axis=1)
+    # A zero min or max is +0 (-0 + 0 = +0), whatever the reduction order (the format's rule).
+    lo_bits = _bf16_bits_directed(tl.min(tl.min(r_min, axis=2), axis=1) + 0.0, UP=False)  # (MPP,)
+    hi = tl.max(tl.max(r_max, axis=2), axis=1) + 0.0
     lo_f = _bf16_value(lo_bits)
     qmax = (2**Q - 1) * 1.0
     span = hi - lo_f

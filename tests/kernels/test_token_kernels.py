@@ -193,6 +193,9 @@ def test_map_lengths_around_the_vector_widths_with_own_noise(blocks, stats, bits
         shape = ((2, n, 64) if stats == "chan" else (2, 9, n)) if blocks != "grid64" else (
             (2, 2, n, 64) if stats == "chan" else (2, 3, 3, n))
         x = dyadic(shape, torch.float32, gen)
+        # ReLU-like rows with zeros of both signs: a zero min or max is +0 in every lane order
+        x[0] = x[0].clamp(min=0)
+        x[0][(x[0] == 0) & (torch.rand(x[0].shape, generator=gen) < 0.5)] = -0.0
         geom, head = fused._geometry(shape)[:2]
         count = geom.quant_shape[0] * geom.quant_shape[1] * geom.quant_shape[2]
         noise = splitmix_uniforms(seed, count).reshape(geom.quant_shape)
