@@ -275,11 +275,8 @@ class TokenLayout(Codec):
 
     def nbytes_for(self, shape: tuple[int, ...]) -> int:
         """Bytes of the packed form of a view of `shape`, before encoding."""
-        plan = self._geometry(shape)
-        geom, head, d = plan.geom, plan.head, self.division
-        maps = math.prod(geom.quant_shape[:2])
-        n = 2 * math.prod(geom.lfc_shape) + maps * (geom.codes_shape(d.bits)[2] + 4)
-        return n + (_division_nbytes(d, (shape[0], head, shape[-1])) if head else 0)
+        d = self.division
+        return _layout_nbytes(self.blocks, self.stats, d.block, d.bits, tuple(shape))
 
 
 class _Plan(NamedTuple):
@@ -366,9 +363,20 @@ def _check_noise(noise: object, shape: tuple[int, ...]) -> None:
         raise ValueError(f"noise: expected float32 {shape} on the CPU, got {got}")
 
 
-def _division_nbytes(codec: Division, shape: tuple[int, ...]) -> int:
-    geom = geometry(shape, codec.block)
-    return geom.maps * (geom.code_bytes(codec.bits) + 2 * geom.nblocks + 4)
+def _division_nbytes(block: int, bits: int, shape: tuple[int, ...]) -> int:
+    """Bytes of `division` (block, bits) on a tensor of `shape` as saved."""
+    geom = geometry(shape, block)
+    return geom.maps * (geom.code_bytes(bits) + 2 * geom.nblocks + 4)
+
+
+@functools.lru_cache(maxsize=1024)  # asked at every pack (the router's size check)
+def _layout_nbytes(blocks: str, stats: str, block: int, bits: int, shape: tuple[int, ...]) -> int:
+    """`TokenLayout.nbytes_for` of the layout `blocks/stats` with (block, bits)."""
+    plan = _fused_geometry(blocks, stats, block, shape)
+    geom, head = plan.geom, plan.head
+    maps = math.prod(geom.quant_shape[:2])
+    n = 2 * math.prod(geom.lfc_shape) + maps * (geom.codes_shape(bits)[2] + 4)
+    return n + (_division_nbytes(block, bits, (shape[0], head, shape[-1])) if head else 0)
 
 
 def packed_nbytes(codec: Codec, shape: tuple[int, ...]) -> int | None:
@@ -379,5 +387,5 @@ def packed_nbytes(codec: Codec, shape: tuple[int, ...]) -> int | None:
     if isinstance(codec, TokenLayout):
         return codec.nbytes_for(shape)
     if type(codec) is Division:
-        return _division_nbytes(codec, shape)
+        return _division_nbytes(codec.block, codec.bits, shape)
     return None

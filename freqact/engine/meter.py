@@ -87,20 +87,25 @@ class Meter:
             row = self._layers[layer] = _Totals(type_name)
         return row
 
+    def _cell(self, route: str) -> _Totals:
+        cell = self._routes.get(route)
+        if cell is None:
+            cell = self._routes[route] = _Totals()
+        return cell
+
     def _record(self, layer: str, type_name: str, route: str) -> None:
         """One tensor saved by `layer` through `route`."""
         row = self._row(layer, type_name)
         row.count += 1
         row.routes[route] = None
-        cell = self._routes.setdefault(route, _Totals())
-        cell.count += 1
+        self._cell(route).count += 1
 
     def _charge(self, layer: str, type_name: str, route: str, saved: int, exact: int) -> None:
         """Bytes held (`saved`) and plain (`exact`) charged to `layer`, held through `route`."""
         row = self._row(layer, type_name)
         row.saved += saved
         row.exact += exact
-        cell = self._routes.setdefault(route, _Totals())
+        cell = self._cell(route)
         cell.saved += saved
         cell.exact += exact
 

@@ -209,7 +209,7 @@ class Site:
                 "hardtanh-mask", HardtanhMask(self.module.min_val, self.module.max_val))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built at every pack: a frozen dataclass's init costs 2.5x as much
 class Saved:
     """What the pack hook knows about one saved tensor inside a running module.
 
