@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import freqact
+from freqact.models.gpt import RMSNorm
 
 
 class _Mlp(nn.Module):
@@ -24,18 +25,57 @@ class _Mlp(nn.Module):
         return self.fc2(h)
 
 
-def _node(root, name: str):
-    """The first autograd node named `name` reachable from root."""
-    seen, todo = set(), [root]
+class _NormLinear(nn.Module):
+    """A norm then a Linear on token tensors (N, T, 32): a transformer block's attention input."""
+
+    def __init__(self, norm=None) -> None:
+        super().__init__()
+        self.norm, self.fc = norm if norm is not None else RMSNorm(32), nn.Linear(32, 16)
+        nn.init.uniform_(self.norm.weight, 0.5, 1.5)  # not ones: weight * x_n must not be x_n
+
+    def forward(self, x):
+        return self.fc(self.norm(x))
+
+
+class _EditedRms(nn.Module):
+    """RMSNorm as `_NormLinear`'s, written out, with an in-place edit (by x1.0) of the statistic
+    or the normalised x after the product, before or after `weight * x_n` saved x_n."""
+
+    def __init__(self, edit: str) -> None:
+        super().__init__()
+        self.weight, self.fc, self.edit = nn.Parameter(torch.rand(32) + 0.5), nn.Linear(32, 16), edit
+
+    def forward(self, x):
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        x_n = x * rstd
+        edited = {"statistic": rstd, "statistic after save": rstd, "output": x_n}[self.edit]
+        if not self.edit.endswith("after save"):
+            edited.mul_(1.0)
+        y = self.weight * x_n
+        if self.edit.endswith("after save"):
+            edited.mul_(1.0)
+        return self.fc(y)
+
+
+def _nodes(root, name: str) -> list:
+    """The autograd nodes named `name` reachable from root."""
+    seen, todo, found = set(), [root], []
     while todo:
         node = todo.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
         if type(node).__name__ == name:
-            return node
+            found.append(node)
         todo.extend(n for n, _ in node.next_functions)
-    raise AssertionError(f"no {name} in the graph")
+    return found
+
+
+def _node(root, name: str):
+    """The first autograd node named `name` reachable from root."""
+    found = _nodes(root, name)
+    assert found, f"no {name} in the graph"
+    return found[0]
 
 
 @pytest.mark.parametrize("act, node, saved", [
@@ -87,10 +127,64 @@ def test_recomputing_saves_the_output_bytes_and_keeps_the_gradient():
         assert F.cosine_similarity(grad, plain, dim=0) > 0.95
 
 
-def test_only_division_recomputes_and_exact_stays_bit_identical():
+def test_rmsnorm_saves_its_normalised_x_as_the_product_of_the_decoded_x():
     torch.manual_seed(0)
-    model = _Mlp(nn.GELU())
-    x = torch.randn(4, 64, 32)
+    model = _NormLinear()
+    x = torch.randn(4, 64, 32, requires_grad=True)
+    with freqact.compress(model, "division") as meter:
+        out = model(x)
+    routes = meter.by_route()
+    # x packed once (pow and mul share it), x_n a recipe; the Linear's input y = weight * x_n
+    # keeps its own per-channel encode (not rebuilt from x's per-token one)
+    assert routes["division tile/tok"]["count"] == 2 and routes["division tile/chan"]["count"] == 1
+    assert routes["recomputed activation"]["count"] == 1
+    assert routes["recomputed activation"]["saved_bytes"] == 0
+    scale = next(n for n in _nodes(out.grad_fn, "MulBackward0") if n._saved_other.shape == x.shape)
+    product = next(n for n in _nodes(out.grad_fn, "MulBackward0") if n is not scale)
+    x_hat, rstd = product._saved_self, product._saved_other
+    assert not torch.equal(x_hat, x) and rstd.shape == (4, 64, 1)
+    assert torch.equal(scale._saved_self, model.norm.weight)
+    assert torch.equal(scale._saved_other, x_hat * rstd)
+
+
+@pytest.mark.parametrize("edit", ["statistic", "output", "statistic after save"])
+def test_an_in_place_edit_after_the_product_keeps_the_normal_route(edit):
+    torch.manual_seed(0)
+    model = _EditedRms(edit)
+    x = torch.randn(4, 64, 32, requires_grad=True)
+    with freqact.compress(model, "division") as meter:
+        out = model(x)
+    routes = meter.by_route()
+    if edit == "statistic after save":
+        # the recipe was made before the edit: its statistic checks its version at unpack and
+        # raises, as plain PyTorch's backward of x * rstd does
+        assert routes["recomputed activation"]["count"] == 1
+        with pytest.raises(RuntimeError, match="in-place"):
+            out.sum().backward()
+        return
+    # x (pow, mul) and x_n encoded per token; y = weight * x_n, whose argument x_n is now
+    # packed per token, keeps its per-channel encode as the Linear's input
+    assert "recomputed activation" not in routes
+    assert routes["division tile/tok"]["count"] == 3 and routes["division tile/chan"]["count"] == 1
+    if edit == "output":  # (an edited statistic makes plain PyTorch's backward raise too)
+        out.sum().backward()
+        assert torch.isfinite(x.grad).all()
+
+
+def test_layer_norm_output_is_not_recomputed():
+    torch.manual_seed(0)
+    model = _NormLinear(nn.LayerNorm(32))
+    with freqact.compress(model, "division") as meter:
+        model(torch.randn(4, 64, 32, requires_grad=True))
+    routes = meter.by_route()
+    assert "recomputed activation" not in routes and routes["division tile/chan"]["count"] == 1
+
+
+@pytest.mark.parametrize("build", [lambda: _Mlp(nn.GELU()), _NormLinear], ids=["gelu", "rmsnorm"])
+def test_only_division_recomputes_and_exact_stays_bit_identical(build):
+    torch.manual_seed(0)
+    model = build()
+    x = torch.randn(4, 64, 32, requires_grad=True)  # else RMSNorm saves nothing of x
     model(x).sum().backward()
     plain = [p.grad.clone() for p in model.parameters()]
     for codec, params in (("exact", {}), ("lfc", {"ratio": 0.5}), ("quant", {})):
@@ -103,19 +197,20 @@ def test_only_division_recomputes_and_exact_stays_bit_identical():
             assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain))
 
 
-def test_a_forward_without_backward_frees_the_packed_input():
+@pytest.mark.parametrize("build", [lambda: _Mlp(nn.GELU()), _NormLinear], ids=["gelu", "rmsnorm"])
+def test_a_forward_without_backward_frees_the_packed_input(build):
     from freqact.engine.block import _Packed
 
     def live_packed() -> int:
         gc.collect()
         return sum(type(o) is _Packed for o in gc.get_objects())
     torch.manual_seed(0)
-    model = _Mlp(nn.GELU())
-    x = torch.randn(4, 64, 32)
+    model = build()
+    x = torch.randn(4, 64, 32, requires_grad=True)
     before = live_packed()
-    with freqact.compress(model, "division"):
+    with freqact.compress(model, "division") as meter:
         out = model(x)
-        assert live_packed() > before
+        assert live_packed() > before and "recomputed activation" in meter.by_route()
         del out
         # inside the block: the recipe table holds weak references only
         assert live_packed() == before

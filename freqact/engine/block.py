@@ -46,7 +46,7 @@ class _Packed:
 
     One packed form can back several SavedVariables (two ops saving the same tensor: RMSNorm's
     pow and mul, the q/k/v projections' shared input; `_Compress._pack` dedups them): `uses`
-    counts them (and the recipes that rebuild an activation's output from it, `recompute`), and
+    counts them (and the recipes that rebuild a function's output from it, `recompute`), and
     a backward decodes it once for all of them (`decoded`).
     """
 
@@ -357,6 +357,14 @@ class _Compress:
     # -- the pack hook ---------------------------------------------------------------------------
 
     def _pack(self, t: torch.Tensor) -> _Packed:
+        func = self._functions.current
+        packed = self._packed_form(t, func)
+        if self._recompute is not None:  # every save, whatever its route: dedup hits, parameters
+            self._recompute.saw_input(func, t, packed)
+        return packed
+
+    def _packed_form(self, t: torch.Tensor, func: tuple | None) -> _Packed:
+        """t's packed form: a fresh encode, a dedup hit, a recipe, or t held as is."""
         site, x = self._stack[-1] if self._stack else (self._root, None)
         storage = None if t.is_nested else _storage(t)
         if storage is None:
@@ -367,9 +375,8 @@ class _Compress:
         ptr = storage.data_ptr()
         if self._params.derived(t, ptr, site.module):
             return _encode(PARAMETER, t)
-        func = self._functions.current
         route, view = route_for(site, self._describe(t, x, func))
-        recipe = (self._recompute.recipe_for(t, storage, ptr)
+        recipe = (self._recompute.recipe_for(t, storage, ptr, route)
                   if route.copies and self._recompute is not None else None)
         if recipe is not None:
             route, view = RECOMPUTED, None
@@ -389,11 +396,10 @@ class _Compress:
             return packed
         if recipe is not None:
             packed = _Packed(route, recipe, shape=t.shape)
-            recipe.input.uses += 1  # decoded once for the function's backward and the recipe
+            for _, shared in recipe.inputs:  # decoded once for the function's backward and the recipe
+                shared.uses += 1
         else:
             packed = _encode(route, t, view)
-            if route.copies and self._recompute is not None:
-                self._recompute.saw_input(func, t, packed)
         self._dedup[key] = (weakref.ref(storage), weakref.ref(packed))
         held = self._held_bytes(route, packed, ptr, storage)
         self.meter._charge(owner[1].name, owner[1].type_name, route.label, held, owner[2])
