@@ -16,7 +16,8 @@ Swin-T (96, heads 3/6/12) and a 512-wide decoder, one batch each, fp32, `divisio
   images (`freqact.data`, `--data-dir`, default ../shared/data) or the first windows of the
   standard-library text (`freqact.text`);
 - step time: forward + backward + SGD step, division / normal, the two modes interleaved (one
-  step each per round), the minimum over the rounds of each.
+  step each per round), the minimum over the rounds of each (`ROUNDS`: on a shared VM a normal
+  step alone moves by 10-30 % between rounds, and the minimum of 3 rounds still did).
 
 Goals (issue 14): >= 8x held activation memory on every family with meter and resident set within
 10 %, >= 10.5x on ResNet-18 CIFAR, step time <= 1.3x normal for the transformer families on the CPU.
@@ -178,6 +179,10 @@ def _memory_in_fresh_process(case: Case, mode: str, quick: bool) -> dict:
                                    env=FRESH_MEMORY_ENV)
 
 
+ROUNDS = 10
+"""Timed rounds per step time by default."""
+
+
 def step_ratio(model, x, y, rounds: int) -> dict:
     """Minimum step time (forward, backward, SGD step) per mode over interleaved rounds."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
@@ -253,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=None,
                         help="every family at this batch (default: each its own, the table's)")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="timed rounds per step time (default 3, --quick 1)")
+                        help="timed rounds per step time (default 10, --quick 1)")
     parser.add_argument("--out", default=None, help="results JSON (default results/"
                         "architectures-cpu.json; --quick: not written unless given)")
     parser.add_argument("--memory-case", nargs=2, metavar=("FAMILY", "MODE"),
@@ -269,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.families or ()) - set(cases))
     if unknown:
         parser.error(f"--families: unknown {unknown[0]!r}; expected some of {', '.join(cases)}")
-    rounds = args.rounds or (1 if args.quick else 3)
+    rounds = args.rounds or (1 if args.quick else ROUNDS)
     if rounds < 1:
         parser.error(f"--rounds: expected an integer >= 1, got {rounds}")
     data_dir = args.data_dir or os.environ.get("FREQACT_DATA") or str(REPO_ROOT.parent / "shared"
