@@ -171,6 +171,70 @@ def test_an_in_place_edit_after_the_product_keeps_the_normal_route(edit):
         assert torch.isfinite(x.grad).all()
 
 
+class _ScaledConv(nn.Module):
+    """conv(scale * x) with a learned per-channel scale and an input without grad: the product
+    saves only x (packed by the map rule) and the conv saves the product (a recipe)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(1, 8, 1, 1) + 0.5)
+        self.conv = nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(self.scale * x)
+
+
+@pytest.mark.parametrize("edit", [None, "before the conv", "after the forward"])
+def test_a_parameter_factor_edited_in_place_is_never_silently_used(edit):
+    torch.manual_seed(0)
+    model = _ScaledConv()
+    x = torch.randn(2, 8, 16, 16)
+    with freqact.compress(model, "division") as meter:
+        if edit == "before the conv":  # between the product and the conv's save of it
+            y = model.scale * x
+            with torch.no_grad():
+                model.scale.mul_(3.0)
+            out = model.conv(y)
+        else:
+            out = model(x)
+    recipes = meter.by_route().get("recomputed activation", {"count": 0})["count"]
+    if edit == "after the forward":  # the recipe exists; rebuilding from the edited scale raises
+        assert recipes == 1
+        with torch.no_grad():
+            model.scale.mul_(3.0)
+        with pytest.raises(RuntimeError, match="in-place"):
+            out.sum().backward()
+        return
+    assert recipes == (0 if edit else 1)  # edited before the save: the product is encoded
+    if edit is None:  # the conv's input is the product of the scale and the decoded x
+        saved = _node(out.grad_fn, "ConvolutionBackward0")._saved_input
+        x_hat = _node(out.grad_fn, "MulBackward0")._saved_other
+        assert not torch.equal(x_hat, x) and torch.equal(saved, model.scale * x_hat)
+    out.sum().backward()
+    assert torch.isfinite(model.scale.grad).all()
+
+
+def test_a_factor_packed_as_a_mask_rebuilds_nothing():
+    # Only a packed copy of the values rebuilds a product: a relu mask keeps the signs only.
+    from freqact.engine import routes
+    from freqact.engine.block import _Packed
+    from freqact.engine.recompute import Recomputer
+
+    x = torch.relu(torch.randn(2, 8, 16, 16))
+    w = nn.Parameter(torch.rand(1, 8, 1, 1))
+    for route, rebuilt in ((routes._RELU_MASK, False), (routes.Route("codec", freqact.codecs.get(
+            "division")), True)):
+        recomputer = Recomputer(lambda packed: packed)
+        packed = _Packed(route, None)
+        func = ("mul", (x, w), {}, 7)
+        recomputer.saw_input(func, x, packed)
+        out = x * w
+        recomputer.returned(torch.mul, (x, w), {}, 7, out)
+        storage = out.untyped_storage()
+        recipe = recomputer.recipe_for(out, storage, storage.data_ptr(), routes.KEEP)
+        assert (recipe is not None) is rebuilt
+
+
 def test_layer_norm_output_is_not_recomputed():
     torch.manual_seed(0)
     model = _NormLinear(nn.LayerNorm(32))

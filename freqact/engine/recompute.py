@@ -29,9 +29,10 @@ input it lost accuracy.
 Only the full `division` codec recomputes (the spectral codecs' LFC-/HFC-ACT study keeps its
 meaning: every saved tensor passes the codec). A recipe is used only for the output tensor as
 the function returned it (same storage, offset and element count, contiguous, not modified in
-place since) and while the arguments held as is are unchanged (version checked), so an in-place
-edit after the call keeps the normal route; an edit of a held argument after the output's save
-raises at unpack, as the call's own backward does.
+place since) and while the arguments held as is and the parameters among the arguments are
+unchanged (version checked), so an in-place edit after the call keeps the normal route; an edit
+of either after the output's save raises at unpack, as the call's own backward does. The packed
+argument must hold values (a codec's copy or a recipe): a mask or indices rebuild nothing.
 """
 from __future__ import annotations
 
@@ -63,19 +64,30 @@ class Recipe:
 
     Attributes:
         inputs: (position in args, `block._Packed`) of each tensor argument the call saved.
+        versions: (tensor, version at the call) of each parameter among the other arguments.
         nbytes: bytes the recipe holds of its own (0: its inputs are charged where they were packed).
     """
 
-    __slots__ = ("args", "dtype", "func", "inputs", "kwargs", "unpack")
+    __slots__ = ("args", "dtype", "func", "inputs", "kwargs", "unpack", "versions")
     nbytes = 0
 
     def __init__(self, func: Callable, inputs: tuple, args: tuple, kwargs: dict, dtype: torch.dtype,
-                 unpack: Callable) -> None:
+                 unpack: Callable, versions: tuple = ()) -> None:
         self.func, self.inputs, self.args, self.kwargs = func, inputs, args, kwargs
-        self.dtype, self.unpack = dtype, unpack
+        self.dtype, self.unpack, self.versions = dtype, unpack, versions
 
     def rebuild(self) -> torch.Tensor:
-        """The output as the function computes it from the unpacked arguments (shape as returned)."""
+        """The output as the function computes it from the unpacked arguments (shape as returned).
+
+        Raises:
+            RuntimeError: a parameter among the arguments was modified in place since the call
+                (the output would no longer be the one the forward used), as `Exact` does.
+        """
+        for t, version in self.versions:
+            if t._version != version:
+                raise RuntimeError(
+                    f"a parameter an output is rebuilt from in backward was modified by an "
+                    f"in-place operation after the forward (version {version} -> {t._version})")
         args = list(self.args)
         for i, packed in self.inputs:
             args[i] = self.unpack(packed)
@@ -120,7 +132,8 @@ class Recomputer:
         self._unpack = unpack
         self._saves: dict[int, dict] = {}  # call id -> {argument position: its packed form}
         # storage ptr -> (storage weakref, offset, numel, version, ((position, packed weakref),
-        # ...), func, its args (None where packed), kwargs, output dtype)
+        # ...), func, its args (None where packed), kwargs, output dtype, ((parameter, version),
+        # ...))
         self._outputs: dict[int, tuple] = {}
 
     def clear(self) -> None:
@@ -148,8 +161,11 @@ class Recomputer:
         """Record `out` as rebuildable when its call saved exactly one argument by a copying route
         and every other tensor argument is held as is by the call or is a parameter."""
         saves = self._saves.pop(call_id, None)
-        if (saves is None or not isinstance(out, torch.Tensor) or not out.is_contiguous()
-                or sum(p.route.copies for p in saves.values()) != 1
+        if saves is None or not isinstance(out, torch.Tensor) or not out.is_contiguous():
+            return
+        copied = [p.route for p in saves.values() if p.route.copies]
+        # one argument copied with its values (a mask or indices do not rebuild them)
+        if (len(copied) != 1 or not copied[0].values
                 or not all(_held_as_is(a) for i, a in enumerate(args) if i not in saves)
                 or not all(map(_held_as_is, kwargs.values()))):
             return
@@ -162,8 +178,10 @@ class Recomputer:
         # weak references only: a forward without backward frees its packed forms with its graph
         inputs = tuple((i, weakref.ref(p)) for i, p in saves.items())
         held = tuple(None if i in saves else a for i, a in enumerate(args))
+        versions = tuple((t, t._version) for t in (*held, *kwargs.values())
+                         if isinstance(t, torch.Tensor))
         outputs[ptr] = (weakref.ref(storage, forget), out.storage_offset(), out.numel(),
-                        out._version, inputs, func, held, kwargs, out.dtype)
+                        out._version, inputs, func, held, kwargs, out.dtype, versions)
 
     def recipe_for(self, t: torch.Tensor, storage, ptr: int, route) -> Recipe | None:
         """The recipe of t when t is a recorded output, unchanged and viewed whole, its arguments
@@ -175,8 +193,9 @@ class Recomputer:
                 or t.dtype != entry[8]):
             return None
         inputs = tuple((i, ref()) for i, ref in entry[4])
-        if any(p is None or _edited(p) for _, p in inputs) or (
+        if any(p is None or _edited(p) for _, p in inputs) or any(
+                t._version != v for t, v in entry[9]) or (
                 route.layout.endswith("/chan") and not any(p.route.layout.endswith("/chan")
                                                            for _, p in inputs)):
             return None
-        return Recipe(entry[5], inputs, entry[6], entry[7], entry[8], self._unpack)
+        return Recipe(entry[5], inputs, entry[6], entry[7], entry[8], self._unpack, entry[9])

@@ -114,6 +114,15 @@ class Route:
         """False when the packed form is the tensor itself (counted once per storage)."""
         return not isinstance(self.codec, Exact)
 
+    @functools.cached_property
+    def values(self) -> bool:
+        """True when the packed form is a (lossy) copy of the values, or rebuilds them; False for
+        the tensor itself and for masks, indices and shape-only (which keep only what one op's
+        backward reads)."""
+        return self.copies and not isinstance(self.codec, _STRUCTURE_CODECS)
+
+
+_STRUCTURE_CODECS = (ReluMask, SignMask, DropoutMask, HardtanhMask, MaxPoolIndices, ShapeOnly)
 
 # Kept tensors and parameters go through `Exact`: no copy, and an in-place edit after saving raises
 # at unpack instead of silently changing the gradient (saved-tensor hooks bypass PyTorch's check).

@@ -28,7 +28,6 @@ import functools
 import math
 import numbers
 import os
-import threading
 import warnings
 
 import torch
@@ -72,12 +71,6 @@ def _cpu_kernels_available() -> bool:
     return False
 
 
-@functools.lru_cache(maxsize=16)  # read at every encode and decode: validated once per value
-def _env_backend(value: str) -> str:
-    """$FREQACT_KERNELS's value if it is one of BACKENDS, else raise naming it."""
-    return _validate.choice("FREQACT_KERNELS", value, BACKENDS)
-
-
 def backend_for(t: torch.Tensor, backend: str | None = None) -> str:
     """The backend ("torch", "triton" or "cpu") that the codec functions use for tensors like `t`.
 
@@ -92,7 +85,8 @@ def backend_for(t: torch.Tensor, backend: str | None = None) -> str:
             kernels cannot be built.
     """
     if backend is None:
-        choice = _env_backend(os.environ.get("FREQACT_KERNELS", "auto"))
+        choice = _validate.choice("FREQACT_KERNELS", os.environ.get("FREQACT_KERNELS", "auto"),
+                                  BACKENDS)
     else:
         choice = _validate.choice("backend", backend, BACKENDS)
     if choice == "auto":
@@ -167,20 +161,13 @@ def _count(name: str, value: object) -> int:
     return int(value)
 
 
-_SEED_DRAW = threading.local()  # per thread: a 0-dim int64 tensor the seeds are drawn into
-
-
 def _seed(noise: torch.Tensor | None, generator: torch.Generator | None = None) -> int:
     """The noise-stream seed of a fused kernel: drawn from `generator` (a CPU generator; default:
     torch's default CPU generator), so every call differs and torch.manual_seed makes runs
     reproducible (unused when noise given)."""
     if noise is not None:
         return 0
-    draw = getattr(_SEED_DRAW, "buffer", None)
-    if draw is None:
-        draw = _SEED_DRAW.buffer = torch.empty((), dtype=torch.int64)
-    # the value torch.randint(2**62, (), generator=generator) draws, at half its cost a call
-    return draw.random_(0, 2**62, generator=generator).item()
+    return int(torch.randint(2**62, (), dtype=torch.int64, generator=generator))
 
 
 def _seed_value(seed: object) -> int:

@@ -1816,7 +1816,7 @@ int freqact_token_decode(const int64_t *geom, int bits, const uint16_t *lfc, con
  * residual in lanes and then quantize_lanes: 16 maps of n elements at a stride of 16 floats,
  * lane l being the encode's map m0 + l, drawing the uniforms of the map's elements in the
  * stream. Per lane these are the per-map path's float operations in its order (the same bytes;
- * quantize_lanes keeps scan_range's min/max choices). */
+ * a zero min or max is +0 in both). */
 
 /* Encode maps m0 .. m0 + 15 of x, each of n <= SMALL_MAP elements. scratch: 4 * 16 * SMALL_MAP
  * floats (the panel, its residual, the block means in lanes, a row of them spread). */

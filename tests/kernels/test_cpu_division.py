@@ -99,6 +99,8 @@ def test_small_maps_sixteen_at_a_time_give_the_per_map_bytes(bits, block):
         flat = x.view(x.shape[0] * x.shape[1], -1)
         flat[3, 0], flat[20, -1], flat[21, 0] = float("nan"), float("inf"), -float("inf")
         flat[22] = 0.5  # a constant map: step 0
+        flat[23] = flat[23].clamp(min=0)  # ReLU-like, zeros of both signs: its min is +0
+        flat[23][(flat[23] == 0) & (torch.arange(flat.shape[1]) % 2 == 0)] = -0.0
         own_noise_against_torch(x, block, bits, seed)
 
 
