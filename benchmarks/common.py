@@ -80,6 +80,12 @@ def _cell(value: object) -> str:
     return "-" if value is None else str(value)
 
 
+def gradient_error(g: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(relative Frobenius error ||g - ref|| / ||ref||, cosine) of gradient vector g against ref."""
+    rel = float((g - ref).norm() / ref.norm())
+    return rel, float(torch.nn.functional.cosine_similarity(g, ref, dim=0))
+
+
 def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A right-aligned plain-text table (header, rule, one line per row)."""
     cells = [[str(h) for h in header]] + [[_cell(v) for v in row] for row in rows]

@@ -54,7 +54,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from benchmarks.common import RESULTS_DIR, print_table, write_results
+from benchmarks.common import RESULTS_DIR, gradient_error, print_table, write_results
 from freqact import codecs, data, kernels, models, text
 from freqact.engine.layouts import TokenLayout
 
@@ -366,12 +366,6 @@ def route_count(counts: dict[str, Counter], route: str, key: str) -> int:
     return sum(counts[r][key] for r in ROUTE_PARTS.get(route, (route,)))
 
 
-def compare(g: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
-    """(relative Frobenius error, cosine) of gradient vector g against the exact one."""
-    rel = float((g - exact).norm() / exact.norm())
-    return rel, float(F.cosine_similarity(g, exact, dim=0))
-
-
 def measure_routes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, layouts: list[str],
                    seeds: tuple[int, ...], routes: tuple[str, ...] = ROUTES) -> dict:
     """Per route and layout: bytes/element, relative error and cosine (mean, per seed)."""
@@ -391,7 +385,7 @@ def measure_routes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, layouts: 
             for seed in seeds:
                 g, c = gradients(model, x, y, route=route, layout=layout, seed=seed,
                                  math_attention=math_attention)
-                rel, cos = compare(g, exact)
+                rel, cos = gradient_error(g, exact)
                 errors.append(rel)
                 cosines.append(cos)
                 nbytes = route_count(c, route, "bytes")

@@ -52,7 +52,7 @@ if not __package__:  # run as a file (python benchmarks/X.py): make the repo roo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import architectures, layouts
-from benchmarks.common import RESULTS_DIR, print_table, write_results
+from benchmarks.common import RESULTS_DIR, gradient_error, print_table, write_results
 from freqact.engine import recompute
 
 ROUTE = recompute.Recompute.name  # the meter's label of a rebuilt save
@@ -104,15 +104,6 @@ def rule(variant: Variant):
         recompute.RECOMPUTABLE, recompute.PRODUCTS, recompute.Recomputer.recipe_for = saved
 
 
-def gradients(model, x, y, mode: str, seed: int) -> tuple[torch.Tensor, object]:
-    """All parameter gradients (float64, flattened) and the meter, seeded before the forward."""
-    torch.manual_seed(seed)
-    model.zero_grad(set_to_none=True)
-    loss, meter = architectures._loss(model, x, y, mode)
-    loss.backward()
-    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).double(), meter
-
-
 def _stats(values: list[float]) -> dict:
     return {"mean": statistics.fmean(values),
             "sd": statistics.stdev(values) if len(values) > 1 else 0.0, "per_seed": values}
@@ -120,16 +111,17 @@ def _stats(values: list[float]) -> dict:
 
 def measure(model, x, y, seeds: tuple[int, ...], variants=VARIANTS) -> dict:
     """Per variant: meter ratio, recomputed saves, gradient cosine and relative error vs plain."""
-    plain, _ = gradients(model, x, y, "normal", seeds[0])
-    exact, _ = gradients(model, x, y, "exact", seeds[0])
+    plain, _ = architectures.gradients(model, x, y, "normal", seeds[0])
+    exact, _ = architectures.gradients(model, x, y, "exact", seeds[0])
     rows = {}
     for variant in variants:
         cosines, errors, ratios, rebuilt = [], [], set(), set()
         with rule(variant):
             for seed in seeds:
-                g, meter = gradients(model, x, y, "division", seed)
-                cosines.append(float(torch.nn.functional.cosine_similarity(g, plain, dim=0)))
-                errors.append(float((g - plain).norm() / plain.norm()))
+                g, meter = architectures.gradients(model, x, y, "division", seed)
+                rel_error, cosine = gradient_error(g, plain)
+                cosines.append(cosine)
+                errors.append(rel_error)
                 ratios.add(meter.ratio)
                 rebuilt.add(meter.by_route().get(ROUTE, {}).get("count", 0))
         assert len(ratios) == 1 and len(rebuilt) == 1, "bytes depend on shapes, not on the noise"

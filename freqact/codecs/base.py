@@ -172,6 +172,11 @@ class ExactPacked:
     def nbytes(self) -> int:
         return tensor_nbytes(self.tensor)
 
+    @property
+    def edited(self) -> bool:
+        """Whether the tensor was modified in place since it was encoded."""
+        return self.tensor._version != self.version
+
 
 @register("exact")
 class Exact(Codec):
@@ -187,7 +192,7 @@ class Exact(Codec):
         return ExactPacked(x, x._version)
 
     def decode(self, packed: ExactPacked) -> torch.Tensor:
-        if packed.tensor._version != packed.version:
+        if packed.edited:
             raise RuntimeError(
                 "a tensor cached for backward was modified by an in-place operation after it was "
                 f"saved (version {packed.version} -> {packed.tensor._version}); clone it before "

@@ -42,7 +42,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from freqact.codecs.base import Codec
+from freqact.codecs.base import Codec, Exact
 
 __all__ = ["PRODUCTS", "RECOMPUTABLE", "Recipe", "Recompute", "Recomputer"]
 
@@ -64,30 +64,27 @@ class Recipe:
 
     Attributes:
         inputs: (position in args, `block._Packed`) of each tensor argument the call saved.
-        versions: (tensor, version at the call) of each parameter among the other arguments.
+        params: `ExactPacked` of each parameter among the other arguments (version at the call).
         nbytes: bytes the recipe holds of its own (0: its inputs are charged where they were packed).
     """
 
-    __slots__ = ("args", "dtype", "func", "inputs", "kwargs", "unpack", "versions")
+    __slots__ = ("args", "dtype", "func", "inputs", "kwargs", "params", "unpack")
     nbytes = 0
 
     def __init__(self, func: Callable, inputs: tuple, args: tuple, kwargs: dict, dtype: torch.dtype,
-                 unpack: Callable, versions: tuple = ()) -> None:
+                 unpack: Callable, params: tuple = ()) -> None:
         self.func, self.inputs, self.args, self.kwargs = func, inputs, args, kwargs
-        self.dtype, self.unpack, self.versions = dtype, unpack, versions
+        self.dtype, self.unpack, self.params = dtype, unpack, params
 
     def rebuild(self) -> torch.Tensor:
         """The output as the function computes it from the unpacked arguments (shape as returned).
 
         Raises:
             RuntimeError: a parameter among the arguments was modified in place since the call
-                (the output would no longer be the one the forward used), as `Exact` does.
+                (the output would no longer be the one the forward used): `Exact.decode`'s.
         """
-        for t, version in self.versions:
-            if t._version != version:
-                raise RuntimeError(
-                    f"a parameter an output is rebuilt from in backward was modified by an "
-                    f"in-place operation after the forward (version {version} -> {t._version})")
+        for param in self.params:
+            _EXACT.decode(param)
         args = list(self.args)
         for i, packed in self.inputs:
             args[i] = self.unpack(packed)
@@ -111,9 +108,12 @@ def _held_as_is(value: object) -> bool:
     return not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter)
 
 
+_EXACT = Exact()  # parameters a recipe holds, with their version at the call
+
+
 def _edited(packed) -> bool:
-    """Whether a form held as is (`Exact`'s tensor and version) was modified in place since."""
-    return not packed.route.copies and packed.data.tensor._version != packed.data.version
+    """Whether a form held as is (`Exact`'s) was modified in place since it was saved."""
+    return not packed.route.copies and packed.data.edited
 
 
 class Recomputer:
@@ -132,8 +132,7 @@ class Recomputer:
         self._unpack = unpack
         self._saves: dict[int, dict] = {}  # call id -> {argument position: its packed form}
         # storage ptr -> (storage weakref, offset, numel, version, ((position, packed weakref),
-        # ...), func, its args (None where packed), kwargs, output dtype, ((parameter, version),
-        # ...))
+        # ...), func, its args (None where packed), kwargs, output dtype, parameters' ExactPacked)
         self._outputs: dict[int, tuple] = {}
 
     def clear(self) -> None:
@@ -178,10 +177,10 @@ class Recomputer:
         # weak references only: a forward without backward frees its packed forms with its graph
         inputs = tuple((i, weakref.ref(p)) for i, p in saves.items())
         held = tuple(None if i in saves else a for i, a in enumerate(args))
-        versions = tuple((t, t._version) for t in (*held, *kwargs.values())
-                         if isinstance(t, torch.Tensor))
+        params = tuple(_EXACT.encode(t) for t in (*held, *kwargs.values())
+                       if isinstance(t, torch.Tensor))
         outputs[ptr] = (weakref.ref(storage, forget), out.storage_offset(), out.numel(),
-                        out._version, inputs, func, held, kwargs, out.dtype, versions)
+                        out._version, inputs, func, held, kwargs, out.dtype, params)
 
     def recipe_for(self, t: torch.Tensor, storage, ptr: int, route) -> Recipe | None:
         """The recipe of t when t is a recorded output, unchanged and viewed whole, its arguments
@@ -194,7 +193,7 @@ class Recomputer:
             return None
         inputs = tuple((i, ref()) for i, ref in entry[4])
         if any(p is None or _edited(p) for _, p in inputs) or any(
-                t._version != v for t, v in entry[9]) or (
+                param.edited for param in entry[9]) or (
                 route.layout.endswith("/chan") and not any(p.route.layout.endswith("/chan")
                                                            for _, p in inputs)):
             return None
