@@ -58,6 +58,8 @@ from freqact.engine import compress
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DIVISION = {"block": 8, "bits": 2}
 MODES = ("normal", "division")
+ROUNDS = 10
+"""Timed rounds per step time by default."""
 # the families the step-time goal is about: the zoo's defaults, and the same models at the widths
 # of ViT-S/16, Swin-T and a 512-wide decoder (the codec's Python cost is fixed per saved tensor and
 # its kernels' grows with the elements saved, the matmuls' with the width squared: the zoo's small
@@ -179,10 +181,6 @@ def _memory_in_fresh_process(case: Case, mode: str, quick: bool) -> dict:
                                    ["--memory-case", case.family, mode, "--batch", str(case.batch),
                                     *(["--quick"] if quick else [])],
                                    env=FRESH_MEMORY_ENV)
-
-
-ROUNDS = 10
-"""Timed rounds per step time by default."""
 
 
 def step_ratio(model, x, y, rounds: int) -> dict:

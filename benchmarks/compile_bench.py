@@ -13,10 +13,11 @@ In one run, for CIFAR ResNet-18 and the small ViT (`freqact.models.get("vit")`),
    compiles the graphs: it splits compiled+division's cost into the layout's and the codec's)
    (goal on the CPU: compiled+division <= 1.15x compiled).
 
-Prints a table and writes benchmarks/results/compile-<device>.json.
+Prints a table and writes benchmarks/results/compile-cpu.json (`--out` another file).
 
     python -m benchmarks.compile_bench                   # both models
     python -m benchmarks.compile_bench --models resnet18
+    python -m benchmarks.compile_bench --repeats 3 --out X.json   # a rerun beside the table's
     python -m benchmarks.compile_bench --profile          # per-op breakdown of the extra time
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ if not __package__:  # run as a file (python benchmarks/X.py): make the repo roo
 
 from benchmarks.common import (
     FRESH_MEMORY_ENV,
+    RESULTS_DIR,
     json_from_fresh_process,
     median_time,
     print_table,
@@ -171,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="print where compiled+division's extra step time goes, per op "
                              "(torch.profiler), instead of the memory and step tables")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "compile-cpu.json",
+                        help="results JSON (default results/compile-cpu.json)")
     parser.add_argument("--memory-case", nargs=3, metavar=("MODEL", "BATCH", "MODE"),
                         help=argparse.SUPPRESS)  # internal: one memory case, JSON on stdout
     args = parser.parse_args(argv)
@@ -210,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"settings": {"division": DIVISION, "repeats": args.repeats,
                             "malloc_mmap_threshold": 65536, "torch": torch.__version__},
                "models": args.models, "memory": memory, "step_seconds": steps}
-    path = write_results("compile-cpu", payload, device="cpu")
+    path = write_results(args.out.stem, payload, device="cpu", directory=args.out.parent)
     print(f"wrote {path}")
     return 0
 

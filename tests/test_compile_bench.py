@@ -35,3 +35,20 @@ def test_profile_breakdown_names_the_codec_ops(monkeypatch):
         assert ops[op][1] == 0 < ops[op][3]
     extras = [abs(row[3]) for row in rows[:-1]]
     assert extras == sorted(extras, reverse=True) and rows[-1][0] == "total"
+
+
+def test_out_writes_the_results_where_asked(monkeypatch, tmp_path):
+    import json
+
+    from benchmarks import compile_bench
+
+    monkeypatch.setattr(compile_bench, "_memory_in_fresh_process", lambda name, batch, mode: {
+        "model": name, "batch": batch, "mode": mode,
+        "held_bytes": 100 if mode == "compiled" else 10})
+    monkeypatch.setattr(compile_bench, "step_times", lambda name, batch, repeats: {
+        "compiled": 1.0, "compiled+division": 1.1, "eager+division": 1.2})
+    out = tmp_path / "rerun.json"
+    assert compile_bench.main(["--models", "resnet18", "--repeats", "1", "--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["step_seconds"]["resnet18"]["compiled+division"] == 1.1
+    assert [r["less_than_compiled"] for r in payload["memory"]][:2] == [1.0, 10.0]

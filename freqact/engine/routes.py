@@ -218,7 +218,7 @@ class Site:
                 "hardtanh-mask", HardtanhMask(self.module.min_val, self.module.max_val))
 
 
-@dataclass(slots=True)  # built at every pack: a frozen dataclass's init costs 2.5x as much
+@dataclass(slots=True)  # built at every pack: a frozen one took 1.8-1.9 us, this 0.43-0.45 us
 class Saved:
     """What the pack hook knows about one saved tensor inside a running module.
 
