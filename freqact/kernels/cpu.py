@@ -50,7 +50,7 @@ from freqact.kernels.format import Geometry, _check_part, as_maps, check_bits, s
 
 __all__ = ["COMPILE_TIMEOUT_S", "TokenGeometry", "available", "decode", "encode", "library_path",
            "load_library", "loaded", "pack_codes", "pack_mask", "token_decode", "token_encode",
-           "unavailable_reason", "unpack_codes", "unpack_mask"]
+           "unavailable_reason", "unpack_codes", "unpack_mask", "vector_halves"]
 
 SOURCE = Path(__file__).with_name("cpu_division.c")
 # No -ffast-math and no FMA contraction: each float operation must round as torch's does.
@@ -68,6 +68,7 @@ _SIGNATURES = {
     "freqact_unpack_mask": ([_i64, _ptr, ctypes.c_float, ctypes.c_float, _ptr, _int], None),
     "freqact_token_encode": ([_ptr, _int] + [_ptr] * 2 + [_u64] + [_ptr] * 4 + [_int], _int),
     "freqact_token_decode": ([_ptr, _int] + [_ptr] * 5 + [_int], _int),
+    "freqact_vector_halves": ([], _int),
 }
 _INT64_MAX = 2**63 - 1
 
@@ -256,6 +257,12 @@ def unavailable_reason() -> str | None:
     """None when `available()`, else why not (the compiler's error, for instance)."""
     lib = _library()
     return lib if isinstance(lib, str) else None
+
+
+def vector_halves() -> bool:
+    """Whether the built kernels do their 16-lane steps on two 8-lane halves (built for a CPU
+    without AVX-512; cpu_division.c's HALVES16), else in 16-lane registers."""
+    return bool(_lib().freqact_vector_halves())
 
 
 def _lib() -> ctypes.CDLL:

@@ -183,21 +183,78 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
 DEFINE_SELECT(select, f32x8, i32x8)
 DEFINE_SELECT(select16, f32x16, i32x16)
 
-/* Lane-wise a < b ? a : b and a > b ? a : b: written per lane so that the compiler sees the
- * comparison and emits one vminps/vmaxps (exactly this, NaN and -0/+0 included) where a select
- * on a mask costs a compare and a blend. For running minima/maxima only: against a constant
- * vector GCC 12 leaves such a lane loop scalar. */
-static inline f32x16 less16(f32x16 a, f32x16 b) {
-    f32x16 r;
-    for (int l = 0; l < 16; l++) r[l] = a[l] < b[l] ? a[l] : b[l];
-    return r;
-}
+/* 16 lanes without AVX-512: GCC 12 keeps a 64-byte vector in memory and does its arithmetic on
+ * two 8-lane halves, but its comparisons and lane loops element by element (scalar code: the
+ * token encode ran 5 to 8 times slower on an AVX2 CPU). So every comparison and min/max of 16
+ * lanes goes through these helpers, which there work on the halves (HALVES16; with AVX-512 they
+ * are the plain operators). The same results either way. */
+#if defined(FREQACT_HALVES16) /* -DFREQACT_HALVES16=0 or 1: the tests build the other path too */
+#define HALVES16 FREQACT_HALVES16
+#elif defined(__AVX512F__)
+#define HALVES16 0
+#else
+#define HALVES16 1
+#endif
 
-static inline f32x16 greater16(f32x16 a, f32x16 b) {
-    f32x16 r;
-    for (int l = 0; l < 16; l++) r[l] = a[l] > b[l] ? a[l] : b[l];
-    return r;
-}
+/* Whether this build does 16-lane comparisons on halves (for the tests and benchmarks). */
+int freqact_vector_halves(void) { return HALVES16; }
+
+typedef union {
+    f32x16 v;
+    f32x8 h[2];
+} f32x16_halves;
+
+typedef union {
+    i32x16 v;
+    i32x8 h[2];
+} i32x16_halves;
+
+/* Lane-wise comparisons of 16 lanes (true lanes all ones, as the vector operators give). */
+#define DEFINE_COMPARE16(name, vec, halves, op)                                     \
+    static inline i32x16 name(vec a, vec b) {                                       \
+        if (!HALVES16) return a op b;                                               \
+        const halves x = {a}, y = {b};                                              \
+        return (i32x16_halves){.h = {x.h[0] op y.h[0], x.h[1] op y.h[1]}}.v;        \
+    }
+DEFINE_COMPARE16(lt16, f32x16, f32x16_halves, <)
+DEFINE_COMPARE16(gt16, f32x16, f32x16_halves, >)
+DEFINE_COMPARE16(eq16, f32x16, f32x16_halves, ==)
+DEFINE_COMPARE16(ne16, f32x16, f32x16_halves, !=)
+DEFINE_COMPARE16(ieq16, i32x16, i32x16_halves, ==)
+DEFINE_COMPARE16(ine16, i32x16, i32x16_halves, !=)
+
+/* Lane-wise a < b ? a : b and a > b ? a : b (for floats: exactly this, NaN and -0/+0
+ * included). On 16 lanes written per lane, so that the compiler sees the comparison and emits
+ * one vminps/vmaxps (vpminsd for int32) where a select on a mask costs a compare and a blend
+ * (GCC 12 leaves such a lane loop scalar against a constant vector: for running minima/maxima
+ * only); on 8 lanes (the halves without AVX-512) as that select, which GCC 12 keeps in vectors
+ * where it left the lane loop scalar inside the callers' loops. */
+#define DEFINE_EXTREME(name, vec8, op)                                              \
+    static inline vec8 name(vec8 a, vec8 b) {                                       \
+        i32x8 m = a op b, ai, bi;                                                   \
+        memcpy(&ai, &a, sizeof ai);                                                 \
+        memcpy(&bi, &b, sizeof bi);                                                 \
+        ai = (m & ai) | (~m & bi);                                                  \
+        memcpy(&a, &ai, sizeof a);                                                  \
+        return a;                                                                   \
+    }
+DEFINE_EXTREME(less8, f32x8, <)
+DEFINE_EXTREME(greater8, f32x8, >)
+DEFINE_EXTREME(imin8, i32x8, <)
+
+#define DEFINE_EXTREME16(name, vec, halves, op, name8)                              \
+    static inline vec name(vec a, vec b) {                                          \
+        if (HALVES16) {                                                             \
+            const halves x = {a}, y = {b};                                          \
+            return (halves){.h = {name8(x.h[0], y.h[0]), name8(x.h[1], y.h[1])}}.v;  \
+        }                                                                           \
+        vec r;                                                                      \
+        for (int l = 0; l < 16; l++) r[l] = a[l] op b[l] ? a[l] : b[l];             \
+        return r;                                                                   \
+    }
+DEFINE_EXTREME16(less16, f32x16, f32x16_halves, <, less8)
+DEFINE_EXTREME16(greater16, f32x16, f32x16_halves, >, greater8)
+DEFINE_EXTREME16(imin16, i32x16, i32x16_halves, <, imin8)
 
 /* v as 16 lanes */
 static inline f32x16 splat16(float v) {
@@ -208,7 +265,7 @@ static inline f32x16 splat16(float v) {
 static inline i32x16 finite16(f32x16 v) {
     i32x16 b;
     memcpy(&b, &v, sizeof b);
-    return (b & 0x7F800000) != 0x7F800000;
+    return ine16(b & 0x7F800000, (i32x16){0} + 0x7F800000);
 }
 
 /* Whether a lane of the mask m is set (8 or 16 lanes): halves OR-ed together. */
@@ -219,8 +276,8 @@ static inline int any8(i32x8 a) {
 }
 
 static inline int any16(i32x16 m) {
-    return any8(__builtin_shufflevector(m, m, 0, 1, 2, 3, 4, 5, 6, 7)
-                | __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15));
+    const i32x16_halves x = {m};
+    return any8(x.h[0] | x.h[1]);
 }
 
 /* --- noise ---------------------------------------------------------------------------------- */
@@ -333,7 +390,7 @@ static void residual_rows(const float *x, const float *m, int64_t n, int64_t row
             bad |= !isfinite(ok[i]);
         }
     }
-    if (!(bad | any16(nonfinite != nonfinite))) return;
+    if (!(bad | any16(ne16(nonfinite, nonfinite)))) return;
     for (int64_t k = 0; k < rows; k++)
         for (int64_t i = 0; i < n; i++) out[k * n + i] = residual_at(x[k * n + i], m[i]);
 }
@@ -557,11 +614,11 @@ static inline uint8_t quantize(float h, float u, float lo, float divisor, float 
 static inline i32x16 quantize16(f32x16 h, f32x16 u, f32x16 vlo, f32x16 vdiv, f32x16 vmax) {
     const f32x16 zero = {0};
     f32x16 t = u + (h - vlo) / vdiv;
-    t = select16(t > zero, t, zero); /* NaN and -0 -> +0 */
+    t = select16(gt16(t, zero), t, zero); /* NaN and -0 -> +0 */
     i32x16 tb, mb;
     memcpy(&tb, &t, sizeof tb);
     memcpy(&mb, &vmax, sizeof mb);
-    for (int l = 0; l < 16; l++) tb[l] = tb[l] < mb[l] ? tb[l] : mb[l];
+    tb = imin16(tb, mb);
     memcpy(&t, &tb, sizeof t);
     return __builtin_convertvector(t, i32x16);
 }
@@ -641,13 +698,13 @@ static void map_range(int64_t n, const float *h, float *mn_out, float *mx_out) {
         mn1 = less16(b, mn1);
         mx0 = greater16(a, mx0);
         mx1 = greater16(b, mx1);
-        nan |= (a != a) | (b != b);
+        nan |= ne16(a, a) | ne16(b, b);
     }
     if (i + 16 <= n) {
         memcpy(&a, h + i, sizeof a);
         mn0 = less16(a, mn0);
         mx0 = greater16(a, mx0);
-        nan |= a != a;
+        nan |= ne16(a, a);
         i += 16;
     }
     float lo = lanes_extreme(less16(mn1, mn0), 0);
@@ -822,8 +879,8 @@ static void apply_positive(const uint8_t *positive, int64_t first, int64_t n, fl
     for (; i + 16 <= n; i += 16) {
         f32x16 v;
         memcpy(&v, out + i, sizeof v);
-        v = select16(v < tinies, tinies, v); /* NaN compares false: kept */
-        v = select16(unpack16(positive + ((first + i) >> 3), 1) != 0, v, zeros);
+        v = select16(lt16(v, tinies), tinies, v); /* NaN compares false: kept */
+        v = select16(ine16(unpack16(positive + ((first + i) >> 3), 1), (i32x16){0}), v, zeros);
         memcpy(out + i, &v, sizeof v);
     }
     for (; i < n; i++) out[i] = positive_or_zero(bit_at(positive, first + i), out[i], tiny);
@@ -923,8 +980,8 @@ void freqact_unpack_codes(int64_t rows, int64_t count, int bits, const uint8_t *
 static inline i32x16 mask16(const float *p, f32x16 lower, int bounded, f32x16 upper) {
     f32x16 v;
     memcpy(&v, p, sizeof v);
-    const i32x16 bit = v > lower;
-    return (bounded ? bit & (v < upper) : bit) & 1;
+    const i32x16 bit = gt16(v, lower);
+    return (bounded ? bit & lt16(v, upper) : bit) & 1;
 }
 
 /* Bit i (bit i % 8 of byte i / 8) = lower < x[i] (and x[i] < upper when bounded), n elements:
@@ -964,7 +1021,7 @@ void freqact_unpack_mask(int64_t n, const uint8_t *packed, float off, float on, 
         float *oc = out + first;
         int64_t i = 0;
         for (; i + 16 <= count; i += 16) {
-            const f32x16 v = select16(unpack16(pc + i / 8, 1) != 0, on16, off16);
+            const f32x16 v = select16(ine16(unpack16(pc + i / 8, 1), (i32x16){0}), on16, off16);
             memcpy(oc + i, &v, sizeof v);
         }
         for (; i < count; i++) oc[i] = bit_at(pc, i) ? on : off;
@@ -1300,7 +1357,7 @@ static void token_residual(const int64_t *g, const float *src, const uint16_t *l
             memcpy(p + t * F + f, &r, sizeof r);
         }
     }
-    if (!any16(nonfinite != nonfinite)) return;
+    if (!any16(ne16(nonfinite, nonfinite))) return;
     for (int64_t t = 0; t < T; t++)
         for (int64_t f = 0; f < F; f += 16) {
             const f32x16 mean = pair_means(token_lfc(g, lfc, t), f, lf);
@@ -1357,10 +1414,11 @@ static inline i32x16 bf16_directed16(f32x16 f, int up) {
     u32x16 u;
     memcpy(&u, &f, sizeof u);
     i32x16 kept = (i32x16)(u >> 16);
-    const i32x16 dropped = (i32x16)(u & 0xFFFFu) != 0;
-    kept -= dropped & (up ? f > 0.0f : f < 0.0f); /* a true lane is -1 */
-    kept += ((kept & 0x7FFF) == 0x7F80) & finite16(f);
-    return pick16(f != f, (i32x16){0} + 0x7FC0, kept);
+    const f32x16 zero = {0};
+    const i32x16 dropped = ine16((i32x16)(u & 0xFFFFu), (i32x16){0});
+    kept -= dropped & (up ? gt16(f, zero) : lt16(f, zero)); /* a true lane is -1 */
+    kept += ieq16(kept & 0x7FFF, (i32x16){0} + 0x7F80) & finite16(f);
+    return pick16(ne16(f, f), (i32x16){0} + 0x7FC0, kept);
 }
 
 static inline f32x16 bf16_to_float16(i32x16 b) {
@@ -1386,9 +1444,43 @@ static inline void reduce_phases(f32x16 *mn, f32x16 *mx) {
 }
 
 /* min and max of 16 maps of n elements in lanes (element e of all 16 at p + e * stride), NaN
- * where a map has one, zeros as +0 (as map_range). The 8 phases are unrolled so that their
- * accumulators stay in registers (indexed by e % 8 they were kept on the stack: a store and a
- * reload per element). */
+ * where a map has one, zeros as +0 (as map_range: any order of the scan gives these bytes). The
+ * phases are unrolled so that their accumulators stay in registers (indexed by e % 8 they were
+ * kept on the stack: a store and a reload per element): 8 phases of 16 lanes with AVX-512's 32
+ * registers; without it (16 registers of 8 lanes) each half of 8 maps in turn, in 4 phases. */
+#if HALVES16
+static void lanes_range(const float *p, int64_t n, int64_t stride, f32x16 *mn_out,
+                        f32x16 *mx_out) {
+    f32x16_halves mn_all, mx_all;
+    i32x16_halves nan_all;
+    for (int half = 0; half < 2; half++) {
+        const float *q = p + 8 * half;
+        f32x8 mn[4], mx[4], v;
+        i32x8 nan = {0};
+        for (int k = 0; k < 4; k++) mn[k] = (f32x8){0} + INFINITY, mx[k] = (f32x8){0} - INFINITY;
+        const int64_t whole = n - n % 4;
+        for (int64_t t = 0; t < whole; t += 4)
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                memcpy(&v, q + (t + k) * stride, sizeof v);
+                mn[k] = less8(v, mn[k]);
+                mx[k] = greater8(v, mx[k]);
+                nan |= v != v;
+            }
+        for (int64_t t = whole; t < n; t++) {
+            memcpy(&v, q + t * stride, sizeof v);
+            mn[0] = less8(v, mn[0]);
+            mx[0] = greater8(v, mx[0]);
+            nan |= v != v;
+        }
+        mn_all.h[half] = less8(less8(mn[0], mn[1]), less8(mn[2], mn[3]));
+        mx_all.h[half] = greater8(greater8(mx[0], mx[1]), greater8(mx[2], mx[3]));
+        nan_all.h[half] = nan;
+    }
+    *mn_out = select16(nan_all.v, splat16(NAN), mn_all.v + 0.0f);
+    *mx_out = select16(nan_all.v, splat16(NAN), mx_all.v + 0.0f);
+}
+#else
 static void lanes_range(const float *p, int64_t n, int64_t stride, f32x16 *mn_out,
                         f32x16 *mx_out) {
     f32x16 mn[8], mx[8], v;
@@ -1401,18 +1493,19 @@ static void lanes_range(const float *p, int64_t n, int64_t stride, f32x16 *mn_ou
             memcpy(&v, p + (t + k) * stride, sizeof v);
             mn[k] = less16(v, mn[k]);
             mx[k] = greater16(v, mx[k]);
-            nan |= v != v;
+            nan |= ne16(v, v);
         }
     reduce_phases(mn, mx);
     for (int64_t t = whole; t < n; t++) {
         memcpy(&v, p + t * stride, sizeof v);
         mn[0] = less16(v, mn[0]);
         mx[0] = greater16(v, mx[0]);
-        nan |= v != v;
+        nan |= ne16(v, v);
     }
     *mn_out = select16(nan, splat16(NAN), mn[0] + 0.0f);
     *mx_out = select16(nan, splat16(NAN), mx[0] + 0.0f);
 }
+#endif
 
 /* The 4-byte word w of codes at out (its first n <= 4 bytes), little-endian. */
 static inline void store_word(uint32_t w, uint8_t *out, int64_t n) {
@@ -1466,10 +1559,10 @@ static inline __attribute__((always_inline)) void quantize_lanes_fixed(
     const i32x16 lo_b = bf16_directed16(mn, 0);
     const f32x16 lo_f = bf16_to_float16(lo_b), span = mx - lo_f;
     /* the edge rule: a span that overflows in a finite map */
-    const i32x16 over = ~finite16(span) & (span == span) & finite16(mx) & finite16(lo_f);
+    const i32x16 over = ~finite16(span) & eq16(span, span) & finite16(mx) & finite16(lo_f);
     const i32x16 step_b = bf16_directed16(select16(over, mx / qmax - lo_f / qmax, span / qmax), 1);
     const f32x16 step_f = bf16_to_float16(step_b);
-    const f32x16 div = select16(step_f == zero, splat16(1.0f), step_f);
+    const f32x16 div = select16(eq16(step_f, zero), splat16(1.0f), step_f);
     const u16x16 lo16 = __builtin_convertvector(lo_b, u16x16);
     const u16x16 step16 = __builtin_convertvector(step_b, u16x16);
     memcpy(lo + map0, &lo16, sizeof lo16);

@@ -4,6 +4,12 @@ packing) are in test_conformance.py; memory safety and trust of the cache in tes
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -143,3 +149,31 @@ def test_cached_geometry_and_c_arrays_equal_fresh_ones():
     assert (after.hits, after.misses) == (info.hits, info.misses)
     with pytest.raises((TypeError, ValueError)):
         fmt.geometry((2, 3, 8.0, 8), 4)  # refused as before
+
+
+
+_OTHER_PATH_DRIVER = textwrap.dedent("""
+    import sys
+    import pytest
+    from freqact.kernels import cpu
+    # the same C semantics at any optimisation level: -O1 builds in a third of -O3's time
+    cpu.CFLAGS = tuple("-O1" if f == "-O3" else f for f in cpu.CFLAGS)
+    assert cpu.vector_halves() == bool(int(sys.argv[1])), "the other vector path was not built"
+    sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-x", "-k", "not triton",
+                          "tests/kernels/test_conformance.py", "tests/kernels/test_token_kernels.py"]))
+""")
+
+
+def test_the_other_vector_path_passes_the_conformance_tests(tmp_path):
+    # cpu_division.c does its 16-lane steps in 16-lane registers (AVX-512) or on two 8-lane
+    # halves (HALVES16: without AVX-512 GCC leaves 16-lane comparisons scalar); a machine builds
+    # one of them. The other is built here (-DFREQACT_HALVES16) and must give the reference's
+    # bytes in the byte-level tests.
+    other = int(not cpu.vector_halves())
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, CC=f"{os.environ.get('CC', 'cc')} -DFREQACT_HALVES16={other}",
+               FREQACT_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(root))
+    done = subprocess.run([sys.executable, "-c", _OTHER_PATH_DRIVER, str(other)], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout
