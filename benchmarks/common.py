@@ -100,13 +100,37 @@ def print_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> None
     print(format_table(header, rows))
 
 
+def _cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo (Linux), else None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _c_kernels_vectors() -> str:
+    """How the C kernels were built here: their 16-lane steps in registers or on halves."""
+    from freqact.kernels import cpu
+
+    if not cpu.available():
+        return f"unavailable: {cpu.unavailable_reason()}"
+    return "8-lane halves (no AVX-512)" if cpu.vector_halves() else "16-lane registers (AVX-512)"
+
+
 def machine_info(device: torch.device | str | None = None) -> dict:
-    """What the numbers depend on: versions, threads, CPU count, load and the accelerator."""
+    """What the numbers depend on: versions, CPU and its vector path in the C kernels, threads,
+    CPU count, load and the accelerator."""
     info = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": _cpu_model(),
+        "c_kernels_vectors": _c_kernels_vectors(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),

@@ -160,12 +160,15 @@ typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint8_t u8x8 __attribute__((vector_size(8)));
 typedef uint8_t u8x4 __attribute__((vector_size(4)));
 typedef uint8_t u8x2 __attribute__((vector_size(2)));
+typedef uint16_t u16x4 __attribute__((vector_size(8)));
+typedef uint32_t u32x2 __attribute__((vector_size(8)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x4 __attribute__((vector_size(16)));
 typedef uint64_t u64x2 __attribute__((vector_size(16)));
 /* 8 SplitMix64 states at once (vpmullq with AVX-512 DQ) */
 typedef uint64_t u64x8 __attribute__((vector_size(64)));
+typedef uint64_t u64x4 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 /* Lane-wise `mask ? a : b` (mask lanes all ones or all zeros, as vector comparisons give), for 8
@@ -256,6 +259,9 @@ DEFINE_EXTREME16(less16, f32x16, f32x16_halves, <, less8)
 DEFINE_EXTREME16(greater16, f32x16, f32x16_halves, >, greater8)
 DEFINE_EXTREME16(imin16, i32x16, i32x16_halves, <, imin8)
 
+/* v as 8 lanes */
+static inline f32x8 splat8(float v) { return (f32x8){v, v, v, v, v, v, v, v}; }
+
 /* v as 16 lanes */
 static inline f32x16 splat16(float v) {
     return (f32x16){v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v};
@@ -267,6 +273,16 @@ static inline i32x16 finite16(f32x16 v) {
     memcpy(&b, &v, sizeof b);
     return ine16(b & 0x7F800000, (i32x16){0} + 0x7F800000);
 }
+
+/* Floats from bf16 bit patterns in int32 lanes. */
+#define DEFINE_BF16_TO_FLOAT(name, fvec, ivec)                                      \
+    static inline fvec name(ivec b) {                                               \
+        const ivec bits = b << 16;                                                  \
+        fvec f;                                                                     \
+        memcpy(&f, &bits, sizeof f);                                                \
+        return f;                                                                   \
+    }
+DEFINE_BF16_TO_FLOAT(bf16_to_float16, f32x16, i32x16)
 
 /* Whether a lane of the mask m is set (8 or 16 lanes): halves OR-ed together. */
 static inline int any8(i32x8 a) {
@@ -280,63 +296,129 @@ static inline int any16(i32x16 m) {
     return any8(x.h[0] | x.h[1]);
 }
 
+/* The lane group of the token kernels (quantize_lanes' maps, token_residual's features): 16
+ * lanes in 16-lane registers, or on the halves path (HALVES16) 8 lanes in 8-lane registers; the
+ * same operations per lane.
+ * Either width is native, so a group's comparisons are the plain operators. gf32/gi32/gu32:
+ * float/int32/uint32 lanes of a group, gu64: the SplitMix64 states of half its maps. */
+#if HALVES16
+enum { GL = 8 };
+typedef f32x8 gf32;
+typedef i32x8 gi32;
+typedef u32x8 gu32;
+typedef u64x4 gu64;
+typedef u32x4 gu32h; /* a gu64 narrowed */
+typedef u16x8 gu16;
+#else
+enum { GL = 16 };
+typedef f32x16 gf32;
+typedef i32x16 gi32;
+typedef u32x16 gu32;
+typedef u64x8 gu64;
+typedef u32x8 gu32h;
+typedef u16x16 gu16;
+#endif
+
+#if HALVES16
+/* Lane-wise isfinite of a group: exponent bits not all ones. */
+static inline i32x8 finite_g(f32x8 v) {
+    i32x8 b;
+    memcpy(&b, &v, sizeof b);
+    return (b & 0x7F800000) != 0x7F800000;
+}
+DEFINE_BF16_TO_FLOAT(bf16_to_float_g, f32x8, i32x8)
+#define select_g select
+#define splitmix_g splitmix4
+#define quantize_g quantize8
+#define any_g any8
+#define splat_g splat8
+#define less_g less8
+#define greater_g greater8
+#define extreme_g extreme8
+#define pack_g pack8
+#else
+#define finite_g finite16
+#define bf16_to_float_g bf16_to_float16
+#define select_g select16
+#define splitmix_g splitmix8
+#define quantize_g quantize16
+#define any_g any16
+#define splat_g splat16
+#define less_g less16
+#define greater_g greater16
+#define extreme_g extreme16
+#define pack_g pack16
+#endif
+
 /* --- noise ---------------------------------------------------------------------------------- */
 
 #define GOLDEN_GAMMA 0x9E3779B97F4A7C15ull
 
-/* 16 draws of 24 bits scaled to [0, 1) by 2^-24 (< 2^24: exact as int32 and as float, as the
- * scalar (float)(uint64) conversion). */
-static inline f32x16 uniform24(u32x16 bits) {
-    return __builtin_convertvector((i32x16)bits, f32x16) * splat16(0x1p-24f);
+/* A group's draws of 24 bits scaled to [0, 1) by 2^-24 (< 2^24: exact as int32 and as float, as
+ * the scalar (float)(uint64) conversion). */
+static inline gf32 uniform24(gu32 bits) {
+    return __builtin_convertvector((gi32)bits, gf32) * 0x1p-24f;
 }
 
-/* SplitMix64's outputs for 8 states z (seed + (k + 1) * golden gamma for draws k): its
+/* SplitMix64's outputs for 8 (4) states z (seed + (k + 1) * golden gamma for draws k): its
  * finaliser, lane-wise. */
-static inline u64x8 splitmix8(u64x8 z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
+#define DEFINE_SPLITMIX(name, vec)                                                  \
+    static inline vec name(vec z) {                                                 \
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;                                \
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;                                \
+        return z ^ (z >> 31);                                                       \
+    }
+DEFINE_SPLITMIX(splitmix8, u64x8)
+DEFINE_SPLITMIX(splitmix4, u64x4)
 
-/* The 16 uniforms of the elements 2k .. 2k + 15 from the states z of draws k .. k + 7 (bits
- * 40-63 to even elements, 16-39 to odd ones, each scaled to [0, 1) by 2^-24); z advances by 8
- * draws. */
-static inline f32x16 uniforms16(u64x8 *z) {
-    const u64x8 r = splitmix8(*z);
-    const u32x8 hi = __builtin_convertvector(r >> 40, u32x8);
-    const u32x8 lo = __builtin_convertvector((r >> 16) & 0xFFFFFF, u32x8);
-    const u32x16 bits = __builtin_shufflevector(hi, lo, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6,
-                                                14, 7, 15);
-    *z += 8 * GOLDEN_GAMMA;
+/* The GL uniforms of the elements 2k .. 2k + GL - 1 from the states z of draws k .. k + GL / 2
+ * - 1 (bits 40-63 to even elements, 16-39 to odd ones, each scaled to [0, 1) by 2^-24); z
+ * advances by GL / 2 draws. */
+static inline gf32 uniforms_g(gu64 *z) {
+    const gu64 r = splitmix_g(*z);
+    const gu32h hi = __builtin_convertvector(r >> 40, gu32h);
+    const gu32h lo = __builtin_convertvector((r >> 16) & 0xFFFFFF, gu32h);
+#if HALVES16
+    const gu32 bits = __builtin_shufflevector(hi, lo, 0, 4, 1, 5, 2, 6, 3, 7);
+#else
+    const gu32 bits = __builtin_shufflevector(hi, lo, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6,
+                                              14, 7, 15);
+#endif
+    *z += GL / 2 * GOLDEN_GAMMA;
     return uniform24(bits);
 }
 
-/* The states of draws k .. k + 7 for the draw k holding element `first`. */
-static inline u64x8 draw_states(uint64_t seed, uint64_t first) {
-    const u64x8 lanes = {1, 2, 3, 4, 5, 6, 7, 8};
+/* The states of draws k .. k + GL / 2 - 1 for the draw k holding element `first`. */
+static inline gu64 draw_states(uint64_t seed, uint64_t first) {
+    gu64 lanes;
+    for (int l = 0; l < GL / 2; l++) lanes[l] = (uint64_t)l + 1u;
     return seed + ((first >> 1) + lanes) * GOLDEN_GAMMA;
 }
 
-/* The noise of one map drawn in registers, 16 uniforms per `next_uniforms` from element `first`
+/* The noise of one map drawn in registers, GL uniforms per `next_uniforms` from element `first`
  * on (no buffer: the encode's maps read theirs once, in the quantise loop). An odd first shifts
- * each 16 drawn by one element: `carry` holds the 16 drawn before. */
+ * each GL drawn by one element: `carry` holds the GL drawn before. */
 typedef struct {
-    u64x8 z;
-    f32x16 carry;
+    gu64 z;
+    gf32 carry;
     int odd;
-} noise16;
+} map_noise;
 
-static inline noise16 noise_at(uint64_t seed, uint64_t first) {
-    noise16 s = {draw_states(seed, first), {0}, (int)(first & 1)};
-    if (s.odd) s.carry = uniforms16(&s.z);
+static inline map_noise noise_at(uint64_t seed, uint64_t first) {
+    map_noise s = {draw_states(seed, first), {0}, (int)(first & 1)};
+    if (s.odd) s.carry = uniforms_g(&s.z);
     return s;
 }
 
-static inline f32x16 next_uniforms(noise16 *s) {
-    const f32x16 v = uniforms16(&s->z);
+static inline gf32 next_uniforms(map_noise *s) {
+    const gf32 v = uniforms_g(&s->z);
     if (!s->odd) return v;
-    const f32x16 shifted = __builtin_shufflevector(s->carry, v, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                                   11, 12, 13, 14, 15, 16);
+#if HALVES16
+    const gf32 shifted = __builtin_shufflevector(s->carry, v, 1, 2, 3, 4, 5, 6, 7, 8);
+#else
+    const gf32 shifted = __builtin_shufflevector(s->carry, v, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                 12, 13, 14, 15, 16);
+#endif
     s->carry = v;
     return shifted;
 }
@@ -367,21 +449,21 @@ static inline float residual_at(float x, float m) {
 }
 
 /* out[k * n + i] = residual_at(x[k * n + i], m[i]) for `rows` rows k of n elements against one
- * row m; out is not x. The plain differences first, 16 at a time, summing r - r in lanes (0 while
+ * row m; out is not x. The plain differences first, GL at a time, summing r - r in lanes (0 while
  * every r is finite, NaN once one is not, and NaN stays): only a call that met an infinite or
  * NaN difference is redone with the rule (whose selects cost twice the difference itself). */
 static void residual_rows(const float *x, const float *m, int64_t n, int64_t rows, float *out) {
-    f32x16 nonfinite = {0};
+    gf32 nonfinite = {0};
     int bad = 0;
     for (int64_t k = 0; k < rows; k++) {
         const float *xk = x + k * n;
         float *ok = out + k * n;
         int64_t i = 0;
-        for (; i + 16 <= n; i += 16) {
-            f32x16 a, b;
+        for (; i + GL <= n; i += GL) {
+            gf32 a, b;
             memcpy(&a, xk + i, sizeof a);
             memcpy(&b, m + i, sizeof b);
-            const f32x16 r = a - b;
+            const gf32 r = a - b;
             nonfinite += r - r;
             memcpy(ok + i, &r, sizeof r);
         }
@@ -390,7 +472,7 @@ static void residual_rows(const float *x, const float *m, int64_t n, int64_t row
             bad |= !isfinite(ok[i]);
         }
     }
-    if (!(bad | any16(ne16(nonfinite, nonfinite)))) return;
+    if (!(bad | any_g(nonfinite != nonfinite))) return;
     for (int64_t k = 0; k < rows; k++)
         for (int64_t i = 0; i < n; i++) out[k * n + i] = residual_at(x[k * n + i], m[i]);
 }
@@ -572,6 +654,21 @@ static inline __attribute__((always_inline)) void pack16(i32x16 c, uint8_t *out,
     }
 }
 
+/* 8 codes packed into their `bits` bytes at out (the halves path's groups): each lane shifted
+ * to its place in its byte, the 8 / bits lanes of each byte OR-ed together by lane shuffles, and
+ * the bytes taken from their lanes (AVX2 has no narrowing of 32-bit lanes to bytes: GCC 12
+ * narrows pack16's way lane by lane). always_inline with a constant `bits`. */
+static inline __attribute__((always_inline)) void pack8(i32x8 c, uint8_t *out, const int bits) {
+    const int per_byte = 8 / bits;
+    i32x8 shift;
+    for (int l = 0; l < 8; l++) shift[l] = (l % per_byte) * bits;
+    i32x8 v = c << shift;
+    if (per_byte >= 2) v |= __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+    if (per_byte >= 4) v |= __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+    if (per_byte == 8) v |= __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    for (int b = 0; b < bits; b++) out[b] = (uint8_t)v[b * per_byte];
+}
+
 /* The little-endian 32-bit word of the bytes p[0 .. 3] (on any host). */
 static inline uint32_t le32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
@@ -607,52 +704,57 @@ static inline uint8_t quantize(float h, float u, float lo, float divisor, float 
     return (uint8_t)(int)t; /* t >= 0: truncation is the floor */
 }
 
-/* The codes of 16 residuals h with their uniforms u, lane-wise `quantize`. The upper clamp is
- * an integer min of the bit patterns: after the lower clamp each lane is +0, positive or +inf,
- * whose patterns order as their values (one vpminsd, where GCC 12 gives a float min against the
- * constant qmax as a compare and two operations, or as scalar code through less16). */
-static inline i32x16 quantize16(f32x16 h, f32x16 u, f32x16 vlo, f32x16 vdiv, f32x16 vmax) {
-    const f32x16 zero = {0};
-    f32x16 t = u + (h - vlo) / vdiv;
-    t = select16(gt16(t, zero), t, zero); /* NaN and -0 -> +0 */
-    i32x16 tb, mb;
-    memcpy(&tb, &t, sizeof tb);
-    memcpy(&mb, &vmax, sizeof mb);
-    tb = imin16(tb, mb);
-    memcpy(&t, &tb, sizeof t);
-    return __builtin_convertvector(t, i32x16);
-}
+/* The codes of 16 (8) residuals h with their uniforms u, lane-wise `quantize`. The upper clamp
+ * is an integer min of the bit patterns: after the lower clamp each lane is +0, positive or
+ * +inf, whose patterns order as their values (one vpminsd, where GCC 12 gives a float min
+ * against the constant qmax as a compare and two operations, or as scalar code through
+ * less16). */
+#define DEFINE_QUANTIZE(name, fvec, ivec, sel, gt, imin)                            \
+    static inline ivec name(fvec h, fvec u, fvec vlo, fvec vdiv, fvec vmax) {       \
+        const fvec zero = {0};                                                      \
+        fvec t = u + (h - vlo) / vdiv;                                              \
+        t = sel(gt(t, zero), t, zero); /* NaN and -0 -> +0 */                       \
+        ivec tb, mb;                                                                \
+        memcpy(&tb, &t, sizeof tb);                                                 \
+        memcpy(&mb, &vmax, sizeof mb);                                              \
+        tb = imin(tb, mb);                                                          \
+        memcpy(&t, &tb, sizeof t);                                                  \
+        return __builtin_convertvector(t, ivec);                                    \
+    }
+#define GT8(a, b) ((a) > (b))
+DEFINE_QUANTIZE(quantize16, f32x16, i32x16, select16, gt16, imin16)
+DEFINE_QUANTIZE(quantize8, f32x8, i32x8, select, GT8, imin8)
 
-/* The codes of h[i] (i < n) packed into `codes`: 16 lanes at a time (`quantize16`, the float
- * operations of `quantize`, so the same codes) packed in registers (`pack16`), the rest one by
- * one through the byte packing. The uniforms come from u, or when u is NULL from gen, 16 per
- * step in registers. ahead: NULL, or the next map's n floats, asked for one cache line per step
- * (the hardware's stream prefetcher stops at each 4 KiB page, so the first rows of each page, a
- * whole 32 x 32 map, would otherwise arrive at memory latency in the next map's first pass; here
- * the loads overlap this loop's arithmetic). always_inline with a constant `bits`
- * (quantize_pack). Written with vector types because the compiler leaves the plain loop scalar
- * for the short maps of the token layouts (16 tokens). */
+/* The codes of h[i] (i < n) packed into `codes`: a group of GL lanes at a time (`quantize16`
+ * or `quantize8`, the float operations of `quantize`, so the same codes) packed in registers
+ * (`pack16`, `pack8`), the rest one by one through the byte packing. The uniforms come from u,
+ * or when u is NULL from gen, GL per step in registers. ahead: NULL, or the next map's n floats,
+ * asked for one cache line per 16 floats (the hardware's stream prefetcher stops at each 4 KiB
+ * page, so the first rows of each page, a whole 32 x 32 map, would otherwise arrive at memory
+ * latency in the next map's first pass; here the loads overlap this loop's arithmetic).
+ * always_inline with a constant `bits` (quantize_pack). Written with vector types because the
+ * compiler leaves the plain loop scalar for the short maps of the token layouts (16 tokens). */
 static inline __attribute__((always_inline)) void quantize_pack_fixed(
-        int64_t n, const float *h, const float *u, noise16 *gen, const float *ahead, float lo,
+        int64_t n, const float *h, const float *u, map_noise *gen, const float *ahead, float lo,
         float divisor, float qmax, uint8_t *codes, const int bits) {
-    const f32x16 vlo = splat16(lo), vdiv = splat16(divisor), vmax = splat16(qmax);
+    const gf32 vlo = splat_g(lo), vdiv = splat_g(divisor), vmax = splat_g(qmax);
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        if (ahead) __builtin_prefetch(ahead + i);
-        f32x16 hv, uv;
+    for (; i + GL <= n; i += GL) {
+        if (ahead && i % 16 == 0) __builtin_prefetch(ahead + i);
+        gf32 hv, uv;
         memcpy(&hv, h + i, sizeof hv);
         if (u) memcpy(&uv, u + i, sizeof uv);
         else uv = next_uniforms(gen);
-        pack16(quantize16(hv, uv, vlo, vdiv, vmax), codes + i * bits / 8, bits);
+        pack_g(quantize_g(hv, uv, vlo, vdiv, vmax), codes + i * bits / 8, bits);
     }
     if (i == n) return;
-    float drawn[16];
+    float drawn[GL];
     if (!u) {
-        const f32x16 uv = next_uniforms(gen);
+        const gf32 uv = next_uniforms(gen);
         memcpy(drawn, &uv, sizeof uv);
     }
     const float *ut = u ? u + i : drawn;
-    uint8_t q[16]; /* 16 codes are whole bytes at every bits: the tail starts on a byte */
+    uint8_t q[16]; /* GL <= 16 codes are whole bytes at every bits: the tail starts on a byte */
     for (int64_t k = 0; i + k < n; k++) q[k] = quantize(h[i + k], ut[k], lo, divisor, qmax);
     pack_row(q, n - i, codes + i * bits / 8, bits);
 }
@@ -662,7 +764,7 @@ static inline __attribute__((always_inline)) void quantize_pack_fixed(
 static void quantize_pack(int64_t n, int bits, const float *h, const float *u, uint64_t seed,
                           uint64_t first, const float *ahead, float lo, float divisor, float qmax,
                           uint8_t *codes) {
-    noise16 s = {0};
+    map_noise s = {0};
     if (!u) s = noise_at(seed, first);
 #define QUANTIZE_AT(b)                                                                         \
     (u ? quantize_pack_fixed(n, h, u, NULL, ahead, lo, divisor, qmax, codes, b)                \
@@ -671,45 +773,49 @@ static void quantize_pack(int64_t n, int bits, const float *h, const float *u, u
 #undef QUANTIZE_AT
 }
 
-/* The smallest (largest with `max`) of the 16 lanes, in any order: halves folded together. */
-static inline float lanes_extreme(f32x16 v, int max) {
-    f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-    f32x8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+/* The smallest (largest with `max`) of 8 (16) lanes, in any order: halves folded together. */
+static inline float extreme8(f32x8 a, int max) {
     for (int width = 4; width >= 1; width /= 2) {
+        const f32x8 b = width == 4 ? __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3)
+                        : width == 2 ? __builtin_shufflevector(a, a, 2, 3, 0, 1, 2, 3, 0, 1)
+                                     : __builtin_shufflevector(a, a, 1, 0, 1, 0, 1, 0, 1, 0);
         a = select(max ? b > a : b < a, b, a);
-        b = width == 4 ? __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3)
-            : width == 2 ? __builtin_shufflevector(a, a, 2, 3, 0, 1, 2, 3, 0, 1)
-                         : __builtin_shufflevector(a, a, 1, 0, 1, 0, 1, 0, 1, 0);
     }
-    return (max ? b[0] > a[0] : b[0] < a[0]) ? b[0] : a[0];
+    return a[0];
+}
+
+static inline float extreme16(f32x16 v, int max) {
+    const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    const f32x8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    return extreme8(select(max ? b > a : b < a, b, a), max);
 }
 
 /* The min and max of the map's n elements (NaN for both when it holds a NaN, as torch.aminmax),
- * zeros as +0 (min + 0.0f: -0 + 0 = +0), so the order of the scan does not matter: 16 lanes in
- * two independent chains, reduced in any order. */
+ * zeros as +0 (min + 0.0f: -0 + 0 = +0), so the order of the scan does not matter: a group of
+ * GL lanes in two independent chains, reduced in any order. */
 static void map_range(int64_t n, const float *h, float *mn_out, float *mx_out) {
-    f32x16 mn0 = splat16(INFINITY), mn1 = mn0, mx0 = splat16(-INFINITY), mx1 = mx0, a, b;
-    i32x16 nan = {0};
+    gf32 mn0 = splat_g(INFINITY), mn1 = mn0, mx0 = splat_g(-INFINITY), mx1 = mx0, a, b;
+    gi32 nan = {0};
     int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
+    for (; i + 2 * GL <= n; i += 2 * GL) {
         memcpy(&a, h + i, sizeof a);
-        memcpy(&b, h + i + 16, sizeof b);
-        mn0 = less16(a, mn0);
-        mn1 = less16(b, mn1);
-        mx0 = greater16(a, mx0);
-        mx1 = greater16(b, mx1);
-        nan |= ne16(a, a) | ne16(b, b);
+        memcpy(&b, h + i + GL, sizeof b);
+        mn0 = less_g(a, mn0);
+        mn1 = less_g(b, mn1);
+        mx0 = greater_g(a, mx0);
+        mx1 = greater_g(b, mx1);
+        nan |= (a != a) | (b != b);
     }
-    if (i + 16 <= n) {
+    if (i + GL <= n) {
         memcpy(&a, h + i, sizeof a);
-        mn0 = less16(a, mn0);
-        mx0 = greater16(a, mx0);
-        nan |= ne16(a, a);
-        i += 16;
+        mn0 = less_g(a, mn0);
+        mx0 = greater_g(a, mx0);
+        nan |= a != a;
+        i += GL;
     }
-    float lo = lanes_extreme(less16(mn1, mn0), 0);
-    float hi = lanes_extreme(greater16(mx1, mx0), 1);
-    int any_nan = any16(nan);
+    float lo = extreme_g(less_g(mn1, mn0), 0);
+    float hi = extreme_g(greater_g(mx1, mx0), 1);
+    int any_nan = any_g(nan);
     for (; i < n; i++) {
         lo = h[i] < lo ? h[i] : lo;
         hi = h[i] > hi ? h[i] : hi;
@@ -1326,8 +1432,8 @@ static void block_row_sums(const int64_t *g, const float *src, block_row r, floa
 }
 
 /* Whether the panel's blocks are one token by 8 features with F a multiple of 16 (the `feat`
- * blocks of 32 or 64 features): their means go 16 features (two blocks) at a time, spread in
- * registers (pair_means), where a mean row per token cost more than its use. */
+ * blocks of 32 or 64 features): their means go a group of GL features (one or two blocks) at a
+ * time, spread in registers (means_g), where a mean row per token cost more than its use. */
 static inline int token_pairs(const int64_t *g) {
     return g[T_BH] * g[T_BW] == 1 && g[T_BF] == 8 && g[T_F] % 16 == 0;
 }
@@ -1337,31 +1443,36 @@ static inline const uint16_t *token_lfc(const int64_t *g, const uint16_t *lfc, i
     return lfc + lfc_index(g, t / g[T_W], t % g[T_W], 0);
 }
 
-/* The means of features f .. f + 15 (blocks f / 8 and f / 8 + 1) from a token's lfc. */
-static inline f32x16 pair_means(const uint16_t *means, int64_t f, int64_t lf) {
-    const float a = bf16_to_float(means[f / 8 * lf]), b = bf16_to_float(means[(f / 8 + 1) * lf]);
+/* The means of features f .. f + GL - 1 (blocks f / 8 ..) from a token's lfc. */
+static inline gf32 means_g(const uint16_t *means, int64_t f, int64_t lf) {
+    const float a = bf16_to_float(means[f / 8 * lf]);
+#if HALVES16
+    return splat8(a);
+#else
+    const float b = bf16_to_float(means[(f / 8 + 1) * lf]);
     return (f32x16){a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b};
+#endif
 }
 
 /* The residual of a token_pairs panel, its lfc known, checked as residual_rows checks it. */
 static void token_residual(const int64_t *g, const float *src, const uint16_t *lfc, float *p) {
     const int64_t T = g[T_H] * g[T_W], F = g[T_F], lf = g[T_LF];
-    f32x16 nonfinite = {0};
+    gf32 nonfinite = {0};
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *means = token_lfc(g, lfc, t);
-        for (int64_t f = 0; f < F; f += 16) {
-            f32x16 x;
+        for (int64_t f = 0; f < F; f += GL) {
+            gf32 x;
             memcpy(&x, src + t * F + f, sizeof x);
-            const f32x16 r = x - pair_means(means, f, lf);
+            const gf32 r = x - means_g(means, f, lf);
             nonfinite += r - r;
             memcpy(p + t * F + f, &r, sizeof r);
         }
     }
-    if (!any16(ne16(nonfinite, nonfinite))) return;
+    if (!any_g(nonfinite != nonfinite)) return;
     for (int64_t t = 0; t < T; t++)
-        for (int64_t f = 0; f < F; f += 16) {
-            const f32x16 mean = pair_means(token_lfc(g, lfc, t), f, lf);
-            for (int l = 0; l < 16; l++)
+        for (int64_t f = 0; f < F; f += GL) {
+            const gf32 mean = means_g(token_lfc(g, lfc, t), f, lf);
+            for (int l = 0; l < GL; l++)
                 p[t * F + f + l] = residual_at(src[t * F + f + l], mean[l]);
         }
 }
@@ -1406,26 +1517,17 @@ static void panel_residual(const int64_t *g, const float *src, float *p, uint16_
  * n - n % 8 in phase e % 8, independent chains), reduced, then the tail elements, zeros as +0;
  * the uniforms are those of the map's elements in the stream, drawn per lane. */
 
-/* Lane-wise `mask ? a : b` on 16 bf16 bit patterns in int32 lanes */
-static inline i32x16 pick16(i32x16 mask, i32x16 a, i32x16 b) { return (mask & a) | (~mask & b); }
-
-/* bf16_directed on 16 lanes (bit patterns in int32 lanes). */
-static inline i32x16 bf16_directed16(f32x16 f, int up) {
-    u32x16 u;
+/* bf16_directed on a group (bit patterns in int32 lanes). */
+static inline gi32 bf16_directed_g(gf32 f, int up) {
+    gu32 u;
     memcpy(&u, &f, sizeof u);
-    i32x16 kept = (i32x16)(u >> 16);
-    const f32x16 zero = {0};
-    const i32x16 dropped = ine16((i32x16)(u & 0xFFFFu), (i32x16){0});
-    kept -= dropped & (up ? gt16(f, zero) : lt16(f, zero)); /* a true lane is -1 */
-    kept += ieq16(kept & 0x7FFF, (i32x16){0} + 0x7F80) & finite16(f);
-    return pick16(ne16(f, f), (i32x16){0} + 0x7FC0, kept);
-}
-
-static inline f32x16 bf16_to_float16(i32x16 b) {
-    const i32x16 bits = b << 16;
-    f32x16 f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+    gi32 kept = (gi32)(u >> 16);
+    const gf32 zero = {0};
+    const gi32 dropped = (gi32)(u & 0xFFFFu) != 0;
+    kept -= dropped & (up ? f > zero : f < zero); /* a true lane is -1 */
+    kept += ((kept & 0x7FFF) == 0x7F80) & finite_g(f);
+    const gi32 nan = f != f;
+    return (nan & 0x7FC0) | (~nan & kept);
 }
 
 /* Combine phases of accumulators pairwise: acc[a] keeps its value unless acc[b] is strictly
@@ -1443,42 +1545,35 @@ static inline void reduce_phases(f32x16 *mn, f32x16 *mx) {
         }
 }
 
-/* min and max of 16 maps of n elements in lanes (element e of all 16 at p + e * stride), NaN
- * where a map has one, zeros as +0 (as map_range: any order of the scan gives these bytes). The
- * phases are unrolled so that their accumulators stay in registers (indexed by e % 8 they were
- * kept on the stack: a store and a reload per element): 8 phases of 16 lanes with AVX-512's 32
- * registers; without it (16 registers of 8 lanes) each half of 8 maps in turn, in 4 phases. */
+/* min and max of a group's maps of n elements in lanes (element e of all GL at p + e * stride),
+ * NaN where a map has one, zeros as +0 (as map_range: any order of the scan gives these bytes).
+ * The phases are unrolled so that their accumulators stay in registers (indexed by e % 8 they
+ * were kept on the stack: a store and a reload per element): 8 phases of 16 lanes in AVX-512's
+ * 32 registers, 4 phases of 8 lanes in AVX2's 16. */
 #if HALVES16
-static void lanes_range(const float *p, int64_t n, int64_t stride, f32x16 *mn_out,
-                        f32x16 *mx_out) {
-    f32x16_halves mn_all, mx_all;
-    i32x16_halves nan_all;
-    for (int half = 0; half < 2; half++) {
-        const float *q = p + 8 * half;
-        f32x8 mn[4], mx[4], v;
-        i32x8 nan = {0};
-        for (int k = 0; k < 4; k++) mn[k] = (f32x8){0} + INFINITY, mx[k] = (f32x8){0} - INFINITY;
-        const int64_t whole = n - n % 4;
-        for (int64_t t = 0; t < whole; t += 4)
+static void lanes_range(const float *p, int64_t n, int64_t stride, f32x8 *mn_out,
+                        f32x8 *mx_out) {
+    f32x8 mn[4], mx[4], v;
+    i32x8 nan = {0};
+    for (int k = 0; k < 4; k++) mn[k] = splat8(INFINITY), mx[k] = splat8(-INFINITY);
+    const int64_t whole = n - n % 4;
+    for (int64_t t = 0; t < whole; t += 4)
 #pragma GCC unroll 4
-            for (int k = 0; k < 4; k++) {
-                memcpy(&v, q + (t + k) * stride, sizeof v);
-                mn[k] = less8(v, mn[k]);
-                mx[k] = greater8(v, mx[k]);
-                nan |= v != v;
-            }
-        for (int64_t t = whole; t < n; t++) {
-            memcpy(&v, q + t * stride, sizeof v);
-            mn[0] = less8(v, mn[0]);
-            mx[0] = greater8(v, mx[0]);
+        for (int k = 0; k < 4; k++) {
+            memcpy(&v, p + (t + k) * stride, sizeof v);
+            mn[k] = less8(v, mn[k]);
+            mx[k] = greater8(v, mx[k]);
             nan |= v != v;
         }
-        mn_all.h[half] = less8(less8(mn[0], mn[1]), less8(mn[2], mn[3]));
-        mx_all.h[half] = greater8(greater8(mx[0], mx[1]), greater8(mx[2], mx[3]));
-        nan_all.h[half] = nan;
+    for (int64_t t = whole; t < n; t++) {
+        memcpy(&v, p + t * stride, sizeof v);
+        mn[0] = less8(v, mn[0]);
+        mx[0] = greater8(v, mx[0]);
+        nan |= v != v;
     }
-    *mn_out = select16(nan_all.v, splat16(NAN), mn_all.v + 0.0f);
-    *mx_out = select16(nan_all.v, splat16(NAN), mx_all.v + 0.0f);
+    *mn_out = select_g(nan, splat8(NAN), less8(less8(mn[0], mn[1]), less8(mn[2], mn[3])) + 0.0f);
+    *mx_out = select_g(nan, splat8(NAN),
+                       greater8(greater8(mx[0], mx[1]), greater8(mx[2], mx[3])) + 0.0f);
 }
 #else
 static void lanes_range(const float *p, int64_t n, int64_t stride, f32x16 *mn_out,
@@ -1493,14 +1588,14 @@ static void lanes_range(const float *p, int64_t n, int64_t stride, f32x16 *mn_ou
             memcpy(&v, p + (t + k) * stride, sizeof v);
             mn[k] = less16(v, mn[k]);
             mx[k] = greater16(v, mx[k]);
-            nan |= ne16(v, v);
+            nan |= v != v;
         }
     reduce_phases(mn, mx);
     for (int64_t t = whole; t < n; t++) {
         memcpy(&v, p + t * stride, sizeof v);
         mn[0] = less16(v, mn[0]);
         mx[0] = greater16(v, mx[0]);
-        nan |= ne16(v, v);
+        nan |= v != v;
     }
     *mn_out = select16(nan, splat16(NAN), mn[0] + 0.0f);
     *mx_out = select16(nan, splat16(NAN), mx[0] + 0.0f);
@@ -1521,9 +1616,19 @@ static inline void store_word(uint32_t w, uint8_t *out, int64_t n) {
 /* Where the high 32 bits of a 64-bit lane sit when the lane is viewed as two 32-bit lanes. */
 #define HI32 LITTLE_ENDIAN_HOST
 
-/* The uniforms of 16 draws r (two halves of 8 lanes) from bits 40-63 (hi) or 16-39: the 32-bit
- * halves that hold them picked by one two-source permute (vpermt2d), 24 bits per lane scaled to
- * [0, 1) by 2^-24 (exact, as the scalar conversion). */
+/* The uniforms of a group's draws r (two halves of its lanes) from bits 40-63 (hi) or 16-39,
+ * 24 bits per lane scaled to [0, 1) by 2^-24 (exact, as the scalar conversion). 16 lanes: the
+ * 32-bit halves that hold them picked by one two-source permute (vpermt2d); 8 lanes: each half
+ * shifted and narrowed, then joined. */
+#if HALVES16
+static inline f32x8 draw_uniforms(const u64x4 r[2], int hi) {
+    const u64x4 a = hi ? r[0] >> 40 : (r[0] >> 16) & 0xFFFFFF;
+    const u64x4 b = hi ? r[1] >> 40 : (r[1] >> 16) & 0xFFFFFF;
+    const u32x4 a32 = __builtin_convertvector(a, u32x4), b32 = __builtin_convertvector(b, u32x4);
+    const u32x8 bits = __builtin_shufflevector(a32, b32, 0, 1, 2, 3, 4, 5, 6, 7);
+    return __builtin_convertvector((i32x8)bits, f32x8) * 0x1p-24f;
+}
+#else
 static inline f32x16 draw_uniforms(const u64x8 r[2], int hi) {
     const u64x8 a = hi ? r[0] : r[0] >> 16, b = hi ? r[1] : r[1] >> 16;
     const u32x16 a32 = (u32x16)a, b32 = (u32x16)b;
@@ -1538,87 +1643,91 @@ static inline f32x16 draw_uniforms(const u64x8 r[2], int hi) {
                            & 0xFFFFFF;
     return uniform24(bits);
 }
+#endif
 
-/* The next draw of 16 maps (their states z advanced by one draw). */
-static inline void next_draw(u64x8 z[2], u64x8 r[2]) {
+/* The next draw of a group's maps (their states z advanced by one draw). */
+static inline void next_draw(gu64 z[2], gu64 r[2]) {
     for (int half = 0; half < 2; half++) {
-        r[half] = splitmix8(z[half]);
+        r[half] = splitmix_g(z[half]);
         z[half] += GOLDEN_GAMMA;
     }
 }
 
-/* quantize_lanes with a constant `bits` and `odd_maps` (whether a map can start at an odd
- * element of the stream: n odd), always_inline: the shifts of the packing are constants and a
- * stream of even maps needs no per-lane choice of draw halves. */
-static inline __attribute__((always_inline)) void quantize_lanes_fixed(
+/* quantize_lanes for one group of GL maps, with a constant `bits` and `odd_maps` (whether a map
+ * can start at an odd element of the stream: n odd), always_inline: the shifts of the packing
+ * are constants and a stream of even maps needs no per-lane choice of draw halves. */
+static inline __attribute__((always_inline)) void quantize_group(
         int64_t map0, int64_t n, int64_t cb, const float *p, int64_t stride, uint64_t seed,
         uint16_t *lo, uint16_t *step, uint8_t *codes, const int bits, const int odd_maps) {
-    f32x16 mn, mx;
+    gf32 mn, mx;
     lanes_range(p, n, stride, &mn, &mx);
-    const f32x16 qmax = splat16((float)((1 << bits) - 1)), zero = {0};
-    const i32x16 lo_b = bf16_directed16(mn, 0);
-    const f32x16 lo_f = bf16_to_float16(lo_b), span = mx - lo_f;
+    const gf32 qmax = (gf32){0} + (float)((1 << bits) - 1), zero = {0};
+    const gi32 lo_b = bf16_directed_g(mn, 0);
+    const gf32 lo_f = bf16_to_float_g(lo_b), span = mx - lo_f;
     /* the edge rule: a span that overflows in a finite map */
-    const i32x16 over = ~finite16(span) & eq16(span, span) & finite16(mx) & finite16(lo_f);
-    const i32x16 step_b = bf16_directed16(select16(over, mx / qmax - lo_f / qmax, span / qmax), 1);
-    const f32x16 step_f = bf16_to_float16(step_b);
-    const f32x16 div = select16(eq16(step_f, zero), splat16(1.0f), step_f);
-    const u16x16 lo16 = __builtin_convertvector(lo_b, u16x16);
-    const u16x16 step16 = __builtin_convertvector(step_b, u16x16);
+    const gi32 over = ~finite_g(span) & (span == span) & finite_g(mx) & finite_g(lo_f);
+    const gi32 step_b = bf16_directed_g(select_g(over, mx / qmax - lo_f / qmax, span / qmax), 1);
+    const gf32 step_f = bf16_to_float_g(step_b);
+    const gf32 div = select_g(step_f == zero, (gf32){0} + 1.0f, step_f);
+    const gu16 lo16 = __builtin_convertvector(lo_b, gu16);
+    const gu16 step16 = __builtin_convertvector(step_b, gu16);
     memcpy(lo + map0, &lo16, sizeof lo16);
     memcpy(step + map0, &step16, sizeof step16);
     /* map l's element t is element first_l + t of the stream, first_l = (map0 + l) * n: an
      * even first_l takes elements t, t + 1 (t even) from one draw (cur), an odd one element t
      * from cur's low bits and t + 1 from the next draw's high bits */
-    const u64x8 lanes = {0, 1, 2, 3, 4, 5, 6, 7};
-    u64x8 z[2], cur[2], next[2];
-    i32x16 odd = {0};
+    gu64 lanes;
+    for (int l = 0; l < GL / 2; l++) lanes[l] = (uint64_t)l;
+    gu64 z[2], cur[2], next[2];
+    gi32 odd = {0};
     for (int half = 0; half < 2; half++) {
-        const u64x8 first = ((uint64_t)map0 + 8u * half + lanes) * (uint64_t)n;
+        const gu64 first = ((uint64_t)map0 + GL / 2u * half + lanes) * (uint64_t)n;
         z[half] = seed + ((first >> 1) + 1u) * GOLDEN_GAMMA;
-        for (int l = 0; l < 8; l++) odd[8 * half + l] = -(int32_t)(first[l] & 1u);
+        for (int l = 0; l < GL / 2; l++) odd[GL / 2 * half + l] = -(int32_t)(first[l] & 1u);
     }
     next_draw(z, cur);
-    f32x16 cur_hi = draw_uniforms(cur, 1);
+    gf32 cur_hi = draw_uniforms(cur, 1);
     const int per_word = 32 / bits;
     for (int64_t w0 = 0; w0 < n; w0 += per_word) {
-        u32x16 word = {0};
+        gu32 word = {0};
 #pragma GCC unroll 16
         for (int k = 0; k < per_word; k += 2) {
             if (w0 + k >= n) break;
             next_draw(z, next);
-            const f32x16 cur_lo = draw_uniforms(cur, 0), next_hi = draw_uniforms(next, 1);
-            const f32x16 u[2] = {odd_maps ? select16(odd, cur_lo, cur_hi) : cur_hi,
-                                 odd_maps ? select16(odd, next_hi, cur_lo) : cur_lo};
+            const gf32 cur_lo = draw_uniforms(cur, 0), next_hi = draw_uniforms(next, 1);
+            const gf32 u[2] = {odd_maps ? select_g(odd, cur_lo, cur_hi) : cur_hi,
+                               odd_maps ? select_g(odd, next_hi, cur_lo) : cur_lo};
             cur[0] = next[0];
             cur[1] = next[1];
             cur_hi = next_hi;
             for (int e = 0; e < 2 && w0 + k + e < n; e++) {
-                f32x16 h;
+                gf32 h;
                 memcpy(&h, p + (w0 + k + e) * stride, sizeof h);
-                word |= (u32x16)quantize16(h, u[e], lo_f, div, qmax) << (uint32_t)((k + e) * bits);
+                word |= (gu32)quantize_g(h, u[e], lo_f, div, qmax) << (uint32_t)((k + e) * bits);
             }
         }
         const int64_t at = w0 / per_word * 4;
         uint8_t *out = codes + map0 * cb + at;
         if (cb - at >= 4) {
-            for (int l = 0; l < 16; l++) store_word(word[l], out + l * cb, 4); /* one store */
+            for (int l = 0; l < GL; l++) store_word(word[l], out + l * cb, 4); /* one store */
         } else {
-            for (int l = 0; l < 16; l++) store_word(word[l], out + l * cb, cb - at);
+            for (int l = 0; l < GL; l++) store_word(word[l], out + l * cb, cb - at);
         }
     }
 }
 
 /* Quantise and pack the 16 quant maps map0 + lane of n elements each (element e of all 16 at
- * p + e * stride; cb code bytes per map). */
+ * p + e * stride; cb code bytes per map), a group of GL maps at a time. */
 static void quantize_lanes(int64_t map0, int64_t n, int64_t cb, int bits, const float *p,
                            int64_t stride, uint64_t seed, uint16_t *lo, uint16_t *step,
                            uint8_t *codes) {
-#define LANES_AT(b)                                                                            \
-    (n % 2 ? quantize_lanes_fixed(map0, n, cb, p, stride, seed, lo, step, codes, b, 1)         \
-           : quantize_lanes_fixed(map0, n, cb, p, stride, seed, lo, step, codes, b, 0))
-    AT_CONSTANT_BITS(bits, LANES_AT);
-#undef LANES_AT
+    for (int g0 = 0; g0 < 16; g0 += GL) {
+#define GROUP_AT(b)                                                                            \
+    (n % 2 ? quantize_group(map0 + g0, n, cb, p + g0, stride, seed, lo, step, codes, b, 1)     \
+           : quantize_group(map0 + g0, n, cb, p + g0, stride, seed, lo, step, codes, b, 0))
+        AT_CONSTANT_BITS(bits, GROUP_AT);
+#undef GROUP_AT
+    }
 }
 
 /* Quantise the residual panel p of sequence m: one map per token row (tok) or per feature
@@ -1864,9 +1973,9 @@ int freqact_token_decode(const int64_t *geom, int bits, const uint16_t *lfc, con
             for (int64_t m = 0; m < M; m++) {
                 if (token_pairs(geom)) { /* one mean row per token, in one loop */
                     for (int64_t t = 0; t < T; t++)
-                        for (int64_t f = 0; f < F; f += 16) {
-                            const f32x16 v = pair_means(token_lfc(geom, lfc + m * nblocks, t),
-                                                        f, geom[T_LF]);
+                        for (int64_t f = 0; f < F; f += GL) {
+                            const gf32 v = means_g(token_lfc(geom, lfc + m * nblocks, t), f,
+                                                   geom[T_LF]);
                             memcpy(means + t * F + f, &v, sizeof v);
                         }
                 } else {
