@@ -1512,10 +1512,11 @@ static void panel_residual(const int64_t *g, const float *src, float *p, uint16_
  * Without given noise, the quant maps of a panel go 16 at a time in lanes: `chan` maps read
  * down 16 columns of the residual panel in place, `tok` maps (token rows) from a 16-row strip
  * transposed to 16 columns; the rest (maps % 16) one by one by quantize_map_with. No per-map
- * reductions and no uniforms written to memory. Per lane these are quantize_map_with's float
- * operations (the same bytes): min/max in 8 phase accumulators (element e of the first
- * n - n % 8 in phase e % 8, independent chains), reduced, then the tail elements, zeros as +0;
- * the uniforms are those of the map's elements in the stream, drawn per lane. */
+ * reductions and no uniforms written to memory; a group of GL maps in registers at a time (two
+ * groups of 8 on the halves path). Per lane these are quantize_map_with's float operations (the
+ * same bytes): min/max in PHASES accumulators (element e of the first n - n % PHASES in phase
+ * e % PHASES, independent chains), reduced, then the tail elements, zeros as +0; the uniforms
+ * are those of the map's elements in the stream, drawn per lane. */
 
 /* bf16_directed on a group (bit patterns in int32 lanes). */
 static inline gi32 bf16_directed_g(gf32 f, int up) {
@@ -1530,77 +1531,40 @@ static inline gi32 bf16_directed_g(gf32 f, int up) {
     return (nan & 0x7FC0) | (~nan & kept);
 }
 
-/* Combine phases of accumulators pairwise: acc[a] keeps its value unless acc[b] is strictly
- * below (above for max). */
-static inline void combine_phases(f32x16 *acc, int a, int b, int max) {
-    acc[a] = max ? greater16(acc[b], acc[a]) : less16(acc[b], acc[a]);
-}
-
-/* Phases k and k + step of accumulators combined into k for step = 1, 2, 4. */
-static inline void reduce_phases(f32x16 *mn, f32x16 *mx) {
-    for (int step = 1; step < 8; step *= 2)
-        for (int k = 0; k < 8; k += 2 * step) {
-            combine_phases(mn, k, k + step, 0);
-            combine_phases(mx, k, k + step, 1);
-        }
-}
-
 /* min and max of a group's maps of n elements in lanes (element e of all GL at p + e * stride),
  * NaN where a map has one, zeros as +0 (as map_range: any order of the scan gives these bytes).
- * The phases are unrolled so that their accumulators stay in registers (indexed by e % 8 they
- * were kept on the stack: a store and a reload per element): 8 phases of 16 lanes in AVX-512's
- * 32 registers, 4 phases of 8 lanes in AVX2's 16. */
-#if HALVES16
-static void lanes_range(const float *p, int64_t n, int64_t stride, f32x8 *mn_out,
-                        f32x8 *mx_out) {
-    f32x8 mn[4], mx[4], v;
-    i32x8 nan = {0};
-    for (int k = 0; k < 4; k++) mn[k] = splat8(INFINITY), mx[k] = splat8(-INFINITY);
-    const int64_t whole = n - n % 4;
-    for (int64_t t = 0; t < whole; t += 4)
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; k++) {
-            memcpy(&v, p + (t + k) * stride, sizeof v);
-            mn[k] = less8(v, mn[k]);
-            mx[k] = greater8(v, mx[k]);
-            nan |= v != v;
-        }
-    for (int64_t t = whole; t < n; t++) {
-        memcpy(&v, p + t * stride, sizeof v);
-        mn[0] = less8(v, mn[0]);
-        mx[0] = greater8(v, mx[0]);
-        nan |= v != v;
-    }
-    *mn_out = select_g(nan, splat8(NAN), less8(less8(mn[0], mn[1]), less8(mn[2], mn[3])) + 0.0f);
-    *mx_out = select_g(nan, splat8(NAN),
-                       greater8(greater8(mx[0], mx[1]), greater8(mx[2], mx[3])) + 0.0f);
-}
-#else
-static void lanes_range(const float *p, int64_t n, int64_t stride, f32x16 *mn_out,
-                        f32x16 *mx_out) {
-    f32x16 mn[8], mx[8], v;
-    i32x16 nan = {0};
-    for (int k = 0; k < 8; k++) mn[k] = splat16(INFINITY), mx[k] = splat16(-INFINITY);
-    const int64_t whole = n - n % 8;
-    for (int64_t t = 0; t < whole; t += 8)
+ * The phases are unrolled so that their accumulators stay in registers (indexed by e % PHASES
+ * they were kept on the stack: a store and a reload per element): 8 phases of 16 lanes in
+ * AVX-512's 32 registers, 4 phases of 8 lanes in AVX2's 16. */
+enum { PHASES = GL == 16 ? 8 : 4 };
+
+static void lanes_range(const float *p, int64_t n, int64_t stride, gf32 *mn_out, gf32 *mx_out) {
+    gf32 mn[PHASES], mx[PHASES], v;
+    gi32 nan = {0};
+    for (int k = 0; k < PHASES; k++) mn[k] = splat_g(INFINITY), mx[k] = splat_g(-INFINITY);
+    const int64_t whole = n - n % PHASES;
+    for (int64_t t = 0; t < whole; t += PHASES)
 #pragma GCC unroll 8
-        for (int k = 0; k < 8; k++) {
+        for (int k = 0; k < PHASES; k++) {
             memcpy(&v, p + (t + k) * stride, sizeof v);
-            mn[k] = less16(v, mn[k]);
-            mx[k] = greater16(v, mx[k]);
+            mn[k] = less_g(v, mn[k]);
+            mx[k] = greater_g(v, mx[k]);
             nan |= v != v;
         }
-    reduce_phases(mn, mx);
+    for (int step = 1; step < PHASES; step *= 2) /* phases k and k + step into k */
+        for (int k = 0; k < PHASES; k += 2 * step) {
+            mn[k] = less_g(mn[k + step], mn[k]);
+            mx[k] = greater_g(mx[k + step], mx[k]);
+        }
     for (int64_t t = whole; t < n; t++) {
         memcpy(&v, p + t * stride, sizeof v);
-        mn[0] = less16(v, mn[0]);
-        mx[0] = greater16(v, mx[0]);
+        mn[0] = less_g(v, mn[0]);
+        mx[0] = greater_g(v, mx[0]);
         nan |= v != v;
     }
-    *mn_out = select16(nan, splat16(NAN), mn[0] + 0.0f);
-    *mx_out = select16(nan, splat16(NAN), mx[0] + 0.0f);
+    *mn_out = select_g(nan, splat_g(NAN), mn[0] + 0.0f);
+    *mx_out = select_g(nan, splat_g(NAN), mx[0] + 0.0f);
 }
-#endif
 
 /* The 4-byte word w of codes at out (its first n <= 4 bytes), little-endian. */
 static inline void store_word(uint32_t w, uint8_t *out, int64_t n) {
