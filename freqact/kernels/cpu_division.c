@@ -186,11 +186,10 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
 DEFINE_SELECT(select, f32x8, i32x8)
 DEFINE_SELECT(select16, f32x16, i32x16)
 
-/* 16 lanes without AVX-512: GCC 12 keeps a 64-byte vector in memory and does its arithmetic on
- * two 8-lane halves, but its comparisons and lane loops element by element (scalar code: the
- * token encode ran 5 to 8 times slower on an AVX2 CPU). So every comparison and min/max of 16
- * lanes goes through these helpers, which there work on the halves (HALVES16; with AVX-512 they
- * are the plain operators). The same results either way. */
+/* Without AVX-512, GCC 12 keeps a 16-lane (64-byte) vector in memory and does its comparisons,
+ * lane loops and narrowing element by element (scalar code: the token encode ran 3 to 4 times
+ * slower on an AVX2 CPU). There (HALVES16) the kernels work in groups of 8 lanes instead of 16
+ * (GL below); with AVX-512 in groups of 16. The same bytes either way. */
 #if defined(FREQACT_HALVES16) /* -DFREQACT_HALVES16=0 or 1: the tests build the other path too */
 #define HALVES16 FREQACT_HALVES16
 #elif defined(__AVX512F__)
@@ -199,39 +198,20 @@ DEFINE_SELECT(select16, f32x16, i32x16)
 #define HALVES16 1
 #endif
 
-/* Whether this build does 16-lane comparisons on halves (for the tests and benchmarks). */
+/* Whether this build works in groups of 8 lanes (for the tests and benchmarks). */
 int freqact_vector_halves(void) { return HALVES16; }
-
-typedef union {
-    f32x16 v;
-    f32x8 h[2];
-} f32x16_halves;
 
 typedef union {
     i32x16 v;
     i32x8 h[2];
 } i32x16_halves;
 
-/* Lane-wise comparisons of 16 lanes (true lanes all ones, as the vector operators give). */
-#define DEFINE_COMPARE16(name, vec, halves, op)                                     \
-    static inline i32x16 name(vec a, vec b) {                                       \
-        if (!HALVES16) return a op b;                                               \
-        const halves x = {a}, y = {b};                                              \
-        return (i32x16_halves){.h = {x.h[0] op y.h[0], x.h[1] op y.h[1]}}.v;        \
-    }
-DEFINE_COMPARE16(lt16, f32x16, f32x16_halves, <)
-DEFINE_COMPARE16(gt16, f32x16, f32x16_halves, >)
-DEFINE_COMPARE16(eq16, f32x16, f32x16_halves, ==)
-DEFINE_COMPARE16(ne16, f32x16, f32x16_halves, !=)
-DEFINE_COMPARE16(ieq16, i32x16, i32x16_halves, ==)
-DEFINE_COMPARE16(ine16, i32x16, i32x16_halves, !=)
-
 /* Lane-wise a < b ? a : b and a > b ? a : b (for floats: exactly this, NaN and -0/+0
  * included). On 16 lanes written per lane, so that the compiler sees the comparison and emits
  * one vminps/vmaxps (vpminsd for int32) where a select on a mask costs a compare and a blend
  * (GCC 12 leaves such a lane loop scalar against a constant vector: for running minima/maxima
- * only); on 8 lanes (the halves without AVX-512) as that select, which GCC 12 keeps in vectors
- * where it left the lane loop scalar inside the callers' loops. */
+ * only); on 8 lanes as that select, which GCC 12 keeps in vectors where it left the lane loop
+ * scalar inside the callers' loops. */
 #define DEFINE_EXTREME(name, vec8, op)                                              \
     static inline vec8 name(vec8 a, vec8 b) {                                       \
         i32x8 m = a op b, ai, bi;                                                   \
@@ -245,19 +225,15 @@ DEFINE_EXTREME(less8, f32x8, <)
 DEFINE_EXTREME(greater8, f32x8, >)
 DEFINE_EXTREME(imin8, i32x8, <)
 
-#define DEFINE_EXTREME16(name, vec, halves, op, name8)                              \
+#define DEFINE_EXTREME16(name, vec, op)                                             \
     static inline vec name(vec a, vec b) {                                          \
-        if (HALVES16) {                                                             \
-            const halves x = {a}, y = {b};                                          \
-            return (halves){.h = {name8(x.h[0], y.h[0]), name8(x.h[1], y.h[1])}}.v;  \
-        }                                                                           \
         vec r;                                                                      \
         for (int l = 0; l < 16; l++) r[l] = a[l] op b[l] ? a[l] : b[l];             \
         return r;                                                                   \
     }
-DEFINE_EXTREME16(less16, f32x16, f32x16_halves, <, less8)
-DEFINE_EXTREME16(greater16, f32x16, f32x16_halves, >, greater8)
-DEFINE_EXTREME16(imin16, i32x16, i32x16_halves, <, imin8)
+DEFINE_EXTREME16(less16, f32x16, <)
+DEFINE_EXTREME16(greater16, f32x16, >)
+DEFINE_EXTREME16(imin16, i32x16, <)
 
 /* v as 8 lanes */
 static inline f32x8 splat8(float v) { return (f32x8){v, v, v, v, v, v, v, v}; }
@@ -267,11 +243,14 @@ static inline f32x16 splat16(float v) {
     return (f32x16){v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v};
 }
 
-/* Lane-wise isfinite: exponent bits not all ones. */
+/* Lane-wise isfinite: exponent bits not all ones (on the halves path compared per half: the
+ * token decode's columns are 16 lanes there too). */
 static inline i32x16 finite16(f32x16 v) {
-    i32x16 b;
-    memcpy(&b, &v, sizeof b);
-    return ine16(b & 0x7F800000, (i32x16){0} + 0x7F800000);
+    i32x16_halves b;
+    memcpy(&b.v, &v, sizeof b.v);
+    if (!HALVES16) return (b.v & 0x7F800000) != 0x7F800000;
+    for (int half = 0; half < 2; half++) b.h[half] = (b.h[half] & 0x7F800000) != 0x7F800000;
+    return b.v;
 }
 
 /* Floats from bf16 bit patterns in int32 lanes. */
@@ -537,7 +516,7 @@ static int add_block_values(const geometry *g, const float *x, const float *valu
     const int64_t W = g->size[2], rows = g->size[0] * g->size[1];
     int64_t current = -1;
     int bad = 0;
-    i32x16 finite = ~(i32x16){0}; /* all lanes true */
+    gi32 finite = ~(gi32){0}; /* all lanes true */
     for (int64_t r = 0; r < rows; r++) {
         if (g->row_blocks[r] != current) {
             current = g->row_blocks[r];
@@ -546,12 +525,12 @@ static int add_block_values(const geometry *g, const float *x, const float *valu
         const float *xr = x + r * W;
         float *o = out + r * W;
         int64_t w = 0;
-        for (; w + 16 <= W; w += 16) { /* finiteness in lanes, reduced once per map */
-            f32x16 a, b;
+        for (; w + GL <= W; w += GL) { /* finiteness in lanes, reduced once per map */
+            gf32 a, b;
             memcpy(&a, xr + w, sizeof a);
             memcpy(&b, row + w, sizeof b);
             a += b;
-            finite &= finite16(a);
+            finite &= finite_g(a);
             memcpy(o + w, &a, sizeof a);
         }
         for (; w < W; w++) {
@@ -559,7 +538,7 @@ static int add_block_values(const geometry *g, const float *x, const float *valu
             bad |= !isfinite(o[w]);
         }
     }
-    return bad | any16(~finite);
+    return bad | any_g(~finite);
 }
 
 /* CALL(b) with b the constant equal to bits (1, 2, 4, else 8), so that an always_inline kernel
@@ -695,6 +674,29 @@ static inline __attribute__((always_inline)) i32x16 unpack16(const uint8_t *p, c
     return (i32x16)((w >> shift) & ((1u << bits) - 1u));
 }
 
+/* Inverse of pack8: the 8 codes of the `bits` bytes at p, one per lane (as unpack16: code l is
+ * bits l * bits .. of the bytes read as a little-endian number). always_inline with a constant
+ * `bits`. */
+static inline __attribute__((always_inline)) i32x8 unpack8(const uint8_t *p, const int bits) {
+    if (bits == 8) {
+        u8x8 b;
+        memcpy(&b, p, sizeof b);
+        return __builtin_convertvector(b, i32x8);
+    }
+    const uint32_t w0 = bits == 4 ? le32(p) : bits == 2 ? (uint32_t)p[0] | (uint32_t)p[1] << 8
+                                                        : p[0];
+    const u32x8 w = (u32x8){0} + w0; /* broadcast (a lane-by-lane build is slow) */
+    u32x8 shift;
+    for (int l = 0; l < 8; l++) shift[l] = (uint32_t)(l * bits);
+    return (i32x8)((w >> shift) & ((1u << bits) - 1u));
+}
+
+#if HALVES16
+#define unpack_g unpack8
+#else
+#define unpack_g unpack16
+#endif
+
 /* --- encode: quantise one map --------------------------------------------------------------- */
 
 static inline uint8_t quantize(float h, float u, float lo, float divisor, float qmax) {
@@ -721,9 +723,9 @@ static inline uint8_t quantize(float h, float u, float lo, float divisor, float 
         memcpy(&t, &tb, sizeof t);                                                  \
         return __builtin_convertvector(t, ivec);                                    \
     }
-#define GT8(a, b) ((a) > (b))
-DEFINE_QUANTIZE(quantize16, f32x16, i32x16, select16, gt16, imin16)
-DEFINE_QUANTIZE(quantize8, f32x8, i32x8, select, GT8, imin8)
+#define GREATER(a, b) ((a) > (b))
+DEFINE_QUANTIZE(quantize16, f32x16, i32x16, select16, GREATER, imin16)
+DEFINE_QUANTIZE(quantize8, f32x8, i32x8, select, GREATER, imin8)
 
 /* The codes of h[i] (i < n) packed into `codes`: a group of GL lanes at a time (`quantize16`
  * or `quantize8`, the float operations of `quantize`, so the same codes) packed in registers
@@ -907,21 +909,21 @@ int freqact_division_encode(const int64_t *geom, int bits, const float *x, const
 /* --- decode --------------------------------------------------------------------------------- */
 
 /* out[i] = q[i] * step (+ lo with `with_lo`) for the n codes packed at `codes`, q[i] as float:
- * 16 codes at a time unpacked in registers (`unpack16`), the rest one by one. Returns
+ * GL codes at a time unpacked in registers (`unpack16`, `unpack8`), the rest one by one. Returns
  * whether a value is not finite. always_inline with constant `bits` and `with_lo`. */
 static inline __attribute__((always_inline)) int dequantize_fixed(
         const uint8_t *codes, int64_t n, float lo_f, float step_f, float *out, const int bits,
         const int with_lo) {
-    const f32x16 vstep = splat16(step_f), vlo = splat16(lo_f);
-    i32x16 finite = ~(i32x16){0}; /* all lanes true */
+    const gf32 vstep = splat_g(step_f), vlo = splat_g(lo_f);
+    gi32 finite = ~(gi32){0}; /* all lanes true */
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        f32x16 v = __builtin_convertvector(unpack16(codes + i * bits / 8, bits), f32x16) * vstep;
+    for (; i + GL <= n; i += GL) {
+        gf32 v = __builtin_convertvector(unpack_g(codes + i * bits / 8, bits), gf32) * vstep;
         if (with_lo) v += vlo;
-        finite &= finite16(v);
+        finite &= finite_g(v);
         memcpy(out + i, &v, sizeof v);
     }
-    int bad = any16(~finite);
+    int bad = any_g(~finite);
     const int per_byte = 8 / bits;
     for (; i < n; i++) {
         const float q = (float)((codes[i / per_byte] >> (i % per_byte * bits)) & ((1 << bits) - 1));
@@ -979,14 +981,14 @@ static void apply_positive(const uint8_t *positive, int64_t first, int64_t n, fl
     int64_t i = 0;
     for (; i < n && ((first + i) & 7); i++)  /* up to a byte boundary */
         out[i] = positive_or_zero(bit_at(positive, first + i), out[i], tiny);
-    /* then two bytes' 16 elements at a time, in lanes (a branch per element on a random mask
-     * mispredicts half the time: 3 ns per element) */
-    const f32x16 tinies = splat16(tiny), zeros = {0};
-    for (; i + 16 <= n; i += 16) {
-        f32x16 v;
+    /* then a group's GL elements (whole bytes) at a time, in lanes (a branch per element on a
+     * random mask mispredicts half the time: 3 ns per element) */
+    const gf32 tinies = splat_g(tiny), zeros = {0};
+    for (; i + GL <= n; i += GL) {
+        gf32 v;
         memcpy(&v, out + i, sizeof v);
-        v = select16(lt16(v, tinies), tinies, v); /* NaN compares false: kept */
-        v = select16(ine16(unpack16(positive + ((first + i) >> 3), 1), (i32x16){0}), v, zeros);
+        v = select_g(v < tinies, tinies, v); /* NaN compares false: kept */
+        v = select_g(unpack_g(positive + ((first + i) >> 3), 1) != 0, v, zeros);
         memcpy(out + i, &v, sizeof v);
     }
     for (; i < n; i++) out[i] = positive_or_zero(bit_at(positive, first + i), out[i], tiny);
@@ -1081,53 +1083,53 @@ void freqact_unpack_codes(int64_t rows, int64_t count, int bits, const uint8_t *
 /* Elements per task (a multiple of 16: each task's lane steps start on a whole byte). */
 #define MASK_CHUNK 4096
 
-/* The mask bits of the 16 floats at p, one per lane (1 or 0): lower < p[l] (and p[l] < upper
- * when bounded); NaN gives 0. */
-static inline i32x16 mask16(const float *p, f32x16 lower, int bounded, f32x16 upper) {
-    f32x16 v;
+/* The mask bits of a group's GL floats at p, one per lane (1 or 0): lower < p[l] (and
+ * p[l] < upper when bounded); NaN gives 0. */
+static inline gi32 mask_g(const float *p, gf32 lower, int bounded, gf32 upper) {
+    gf32 v;
     memcpy(&v, p, sizeof v);
-    const i32x16 bit = gt16(v, lower);
-    return (bounded ? bit & lt16(v, upper) : bit) & 1;
+    const gi32 bit = v > lower;
+    return (bounded ? bit & (v < upper) : bit) & 1;
 }
 
 /* Bit i (bit i % 8 of byte i / 8) = lower < x[i] (and x[i] < upper when bounded), n elements:
- * 16 compares in lanes packed in registers per step (pack16); the last count % 16 of the tensor
- * through a NaN-padded copy (NaN sets no bit, so the last byte's unused bits stay 0). */
+ * GL compares in lanes packed in registers per step (pack16, pack8); the last count % GL of the
+ * tensor through a NaN-padded copy (NaN sets no bit, so the last byte's unused bits stay 0). */
 void freqact_pack_mask(int64_t n, const float *x, float lower, int bounded, float upper,
                        uint8_t *out, int threads) {
     const int64_t chunks = (n + MASK_CHUNK - 1) / MASK_CHUNK;
-    const f32x16 lo16 = splat16(lower), up16 = splat16(upper);
+    const gf32 lo_g = splat_g(lower), up_g = splat_g(upper);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t first = c * MASK_CHUNK, count = n - first < MASK_CHUNK ? n - first : MASK_CHUNK;
         const float *xc = x + first;
         uint8_t *oc = out + first / 8;
         int64_t i = 0;
-        for (; i + 16 <= count; i += 16) pack16(mask16(xc + i, lo16, bounded, up16), oc + i / 8, 1);
+        for (; i + GL <= count; i += GL) pack_g(mask_g(xc + i, lo_g, bounded, up_g), oc + i / 8, 1);
         if (i < count) {
-            float pad[16];
-            uint8_t bytes[2];
-            for (int k = 0; k < 16; k++) pad[k] = i + k < count ? xc[i + k] : NAN;
-            pack16(mask16(pad, lo16, bounded, up16), bytes, 1);
+            float pad[GL];
+            uint8_t bytes[GL / 8];
+            for (int k = 0; k < GL; k++) pad[k] = i + k < count ? xc[i + k] : NAN;
+            pack_g(mask_g(pad, lo_g, bounded, up_g), bytes, 1);
             memcpy(oc + i / 8, bytes, (size_t)(count - i + 7) / 8);
         }
     }
 }
 
-/* out[i] = bit i ? on : off, float32, n elements: 16 bits unpacked in registers per step
- * (unpack16). */
+/* out[i] = bit i ? on : off, float32, n elements: GL bits unpacked in registers per step
+ * (unpack16, unpack8). */
 void freqact_unpack_mask(int64_t n, const uint8_t *packed, float off, float on, float *out,
                          int threads) {
     const int64_t chunks = (n + MASK_CHUNK - 1) / MASK_CHUNK;
-    const f32x16 on16 = splat16(on), off16 = splat16(off);
+    const gf32 on_g = splat_g(on), off_g = splat_g(off);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t first = c * MASK_CHUNK, count = n - first < MASK_CHUNK ? n - first : MASK_CHUNK;
         const uint8_t *pc = packed + first / 8;
         float *oc = out + first;
         int64_t i = 0;
-        for (; i + 16 <= count; i += 16) {
-            const f32x16 v = select16(ine16(unpack16(pc + i / 8, 1), (i32x16){0}), on16, off16);
+        for (; i + GL <= count; i += GL) {
+            const gf32 v = select_g(unpack_g(pc + i / 8, 1) != 0, on_g, off_g);
             memcpy(oc + i, &v, sizeof v);
         }
         for (; i < count; i++) oc[i] = bit_at(pc, i) ? on : off;
