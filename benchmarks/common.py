@@ -113,12 +113,12 @@ def _cpu_model() -> str | None:
 
 
 def _c_kernels_vectors() -> str:
-    """How the C kernels were built here: their 16-lane steps in registers or on halves."""
+    """How the C kernels were built here: in lane groups of 16 (AVX-512) or of 8."""
     from freqact.kernels import cpu
 
     if not cpu.available():
         return f"unavailable: {cpu.unavailable_reason()}"
-    return "8-lane halves (no AVX-512)" if cpu.vector_halves() else "16-lane registers (AVX-512)"
+    return "groups of 8 lanes (no AVX-512)" if cpu.vector_halves() else "groups of 16 lanes (AVX-512)"
 
 
 def machine_info(device: torch.device | str | None = None) -> dict:
