@@ -1,10 +1,20 @@
-"""Shared fixtures: the real CIFAR-10 folder and the devices to test on."""
+"""Shared fixtures: the real CIFAR-10 folder and the devices to test on; the Triton interpreter
+switched on where there is no GPU."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels run in Triton's interpreter. triton.jit reads this when a
+    # kernel is decorated, i.e. when freqact.kernels.triton_division is first imported, which any
+    # test module may do: so here, before pytest imports them (set in a test module, it came too
+    # late whenever an earlier module had imported the kernels: test_gpu_bench failed after
+    # test_compile_bench).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_CIFAR10 = REPO_ROOT.parent / "shared" / "data" / "cifar-10-batches-py"

@@ -2,16 +2,11 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Lets the dry run exercise the Triton kernels in the interpreter (read at kernel import).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from benchmarks import gpu_bench  # noqa: E402
+from benchmarks import gpu_bench
 
 
 def _train_row(model, batch, mode, ips, act):

@@ -7,12 +7,7 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Without a GPU the Triton kernels run in Triton's interpreter: triton.jit reads this when a
-    # kernel is decorated, i.e. when triton_division is first imported (after this module).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import freqact.kernels as K
+import freqact.kernels as K  # tests/conftest.py set TRITON_INTERPRET where there is no GPU
 
 CUDA = torch.cuda.is_available()
 TRITON_DEVICE = "cuda" if CUDA else "cpu"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freqact import codecs  # noqa: E402
-from freqact.kernels import cpu  # noqa: E402
-from tests.kernels.helpers import TRITON, TRITON_DEVICE  # first: it may set TRITON_INTERPRET
+from freqact import codecs
+from freqact.kernels import cpu
+from tests.kernels.helpers import TRITON, TRITON_DEVICE
 
 VALUE_CODECS = {"division": {}, "division-no-hfc": {}, "division-no-lfc": {}, "quant": {},
                 "lfc": {"ratio": 0.5}, "hfc": {"ratio": 0.5}, "hfc-quant": {"ratio": 0.5},

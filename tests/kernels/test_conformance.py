@@ -2,7 +2,7 @@
 reference: same bytes given the same noise, same decode, finite in -> finite out.
 
 Triton runs natively on CUDA, else in Triton's interpreter (TRITON_INTERPRET=1, set by
-tests.kernels.helpers before triton_division is imported); the shapes stay tiny for it.
+tests/conftest.py before triton_division is imported); the shapes stay tiny for it.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 import freqact.kernels as K
 from freqact.kernels import cpu
 from freqact.kernels import format as fmt
-from tests.kernels.helpers import (  # first
+from tests.kernels.helpers import (
     TRITON,
     TRITON_DEVICE,
     assert_same_bytes,

@@ -6,7 +6,7 @@ means), non-contiguous inputs, and the fused kernels' own noise.
 Their own noise must round stochastically, reproducibly under torch.manual_seed.
 
 Without a GPU the Triton kernels run in Triton's interpreter on the CPU (TRITON_INTERPRET=1, set
-by tests.kernels.helpers before triton_division is imported); with CUDA they run natively on the
+by tests/conftest.py before triton_division is imported); with CUDA they run natively on the
 device. The interpreter is slow, so the shapes stay tiny (a few programs each).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 import freqact.kernels as K
 from freqact.kernels import cpu
-from tests.kernels.helpers import (  # first: it switches Triton to its interpreter without CUDA
+from tests.kernels.helpers import (
     FIELDS,
     TRITON,
     TRITON_DEVICE,

@@ -1,14 +1,14 @@
 """The Triton DIVISION kernels as torch.library custom ops: fake shapes and opcheck.
 
 Their bytes against the reference are tested with the C kernels' in test_fused_kernels.py. Without
-a GPU they run in Triton's interpreter (TRITON_INTERPRET=1, set by tests.kernels.helpers).
+a GPU they run in Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py).
 """
 from __future__ import annotations
 
 import torch
 
 import freqact.kernels as K
-from tests.kernels.helpers import (  # first: sets TRITON_INTERPRET
+from tests.kernels.helpers import (
     FIELDS,
     TRITON,
     TRITON_DEVICE,
