@@ -36,11 +36,13 @@
  *
  * Built with -ffp-contract=off and without -ffast-math: every float operation rounds as the
  * reference's torch operations do. Loops are written so that the compiler vectorises them (flat
- * loops over a map) or with GCC/Clang vector types (min/max lanes, 16 codes per quantise, pack,
- * unpack and dequantise step, 16 mask bits per step, 8 SplitMix64 draws at a time, 8 token
- * blocks' means, 16 token quant maps and 16 small maps in lanes), not with intrinsics: the file
- * builds for any CPU, as scalar code without vector units. Each vector step does per lane the
- * float operations of the scalar code in its order (the same bytes).
+ * loops over a map) or with GCC/Clang vector types in lane groups of GL (16 with AVX-512, 8
+ * without: HALVES16 below): min/max lanes, a group of codes per quantise, pack, unpack and
+ * dequantise step, a group of mask bits per step, half a group of SplitMix64 draws at a time,
+ * 8 token blocks' means, 16 token quant maps and 16 small maps in lanes (a group at a time), 16
+ * token columns per decode step; not with intrinsics: the file builds for any CPU, as scalar
+ * code without vector units. Each vector step does per lane the float operations of the scalar
+ * code in its order (the same bytes).
  */
 #include <float.h>
 #include <math.h>
