@@ -162,8 +162,6 @@ typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint8_t u8x8 __attribute__((vector_size(8)));
 typedef uint8_t u8x4 __attribute__((vector_size(4)));
 typedef uint8_t u8x2 __attribute__((vector_size(2)));
-typedef uint16_t u16x4 __attribute__((vector_size(8)));
-typedef uint32_t u32x2 __attribute__((vector_size(8)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x4 __attribute__((vector_size(16)));
@@ -189,8 +187,8 @@ DEFINE_SELECT(select, f32x8, i32x8)
 DEFINE_SELECT(select16, f32x16, i32x16)
 
 /* Without AVX-512, GCC 12 keeps a 16-lane (64-byte) vector in memory and does its comparisons,
- * lane loops and narrowing element by element (scalar code: the token encode ran 3 to 4 times
- * slower on an AVX2 CPU). There (HALVES16) the kernels work in groups of 8 lanes instead of 16
+ * lane loops and narrowing element by element (scalar code: the kernels ran 1.6 to 7.5 times
+ * slower on an AVX2 Zen 3, docs/ARCHITECTURE.md "Lane groups"). There (HALVES16) the kernels work in groups of 8 lanes instead of 16
  * (GL below); with AVX-512 in groups of 16. The same bytes either way. */
 #if defined(FREQACT_HALVES16) /* -DFREQACT_HALVES16=0 or 1: the tests build the other path too */
 #define HALVES16 FREQACT_HALVES16
@@ -245,14 +243,26 @@ static inline f32x16 splat16(float v) {
     return (f32x16){v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v};
 }
 
-/* Lane-wise isfinite: exponent bits not all ones (on the halves path compared per half: the
- * token decode's columns are 16 lanes there too). */
+/* Lane-wise isfinite: exponent bits not all ones. */
+static inline i32x8 finite8(f32x8 v) {
+    i32x8 b;
+    memcpy(&b, &v, sizeof b);
+    return (b & 0x7F800000) != 0x7F800000;
+}
+
+/* The same on 16 lanes: on the halves path per half (the token decode's columns are 16 lanes
+ * there too). */
 static inline i32x16 finite16(f32x16 v) {
-    i32x16_halves b;
-    memcpy(&b.v, &v, sizeof b.v);
-    if (!HALVES16) return (b.v & 0x7F800000) != 0x7F800000;
-    for (int half = 0; half < 2; half++) b.h[half] = (b.h[half] & 0x7F800000) != 0x7F800000;
-    return b.v;
+    if (!HALVES16) {
+        i32x16 b;
+        memcpy(&b, &v, sizeof b);
+        return (b & 0x7F800000) != 0x7F800000;
+    }
+    f32x8 h[2];
+    i32x16_halves r;
+    memcpy(h, &v, sizeof h);
+    for (int half = 0; half < 2; half++) r.h[half] = finite8(h[half]);
+    return r.v;
 }
 
 /* Floats from bf16 bit patterns in int32 lanes. */
@@ -301,12 +311,7 @@ typedef u16x16 gu16;
 #endif
 
 #if HALVES16
-/* Lane-wise isfinite of a group: exponent bits not all ones. */
-static inline i32x8 finite_g(f32x8 v) {
-    i32x8 b;
-    memcpy(&b, &v, sizeof b);
-    return (b & 0x7F800000) != 0x7F800000;
-}
+#define finite_g finite8
 DEFINE_BF16_TO_FLOAT(bf16_to_float_g, f32x8, i32x8)
 #define select_g select
 #define splitmix_g splitmix4
