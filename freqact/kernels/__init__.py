@@ -201,7 +201,7 @@ def division_encode(x: torch.Tensor, block: int = 8, bits: int = 2,
     Returns:
         DivisionPacked: lfc bf16 (N, C, *nb), lo and step bf16 (N, C), codes uint8
         (N, C, ceil(P * bits / 8)). The fused kernels draw their noise from a counter-based
-        generator (Philox on Triton, SplitMix64 in C) seeded from torch's default generator.
+        generator (Philox on Triton, a SplitMix64-keyed lowbias32 hash in C) seeded from torch's default generator.
 
     Raises:
         TypeError, ValueError: on bad arguments (naming them) or backend.

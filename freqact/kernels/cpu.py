@@ -276,6 +276,15 @@ def _c_int64(name: str, value: int) -> int:
     return value
 
 
+def _stream_length(name: str, n: int) -> int:
+    """n if a quant map of n elements fits the kernels' noise stream, which numbers a map's
+    elements in 32 bits (cpu_division.c: element t of a map draws from (t ^ flip) mod 2^32)."""
+    if n > 2**32:
+        raise ValueError(f"{name}: expected quant maps of at most 2**32 elements (the C kernels' "
+                         f"noise stream numbers them in 32 bits), got {n}")
+    return n
+
+
 def _threads() -> int:
     return min(torch.get_num_threads(), 2**31 - 1)
 
@@ -287,6 +296,7 @@ def _geometry_args(geom: Geometry, bits: int):
     values = (geom.maps, *geom.dhw, *geom.block_dhw, *geom.counts_dhw, geom.code_bytes(bits))
     # The largest index the C code forms: maps * numel (and its code bytes) must fit too.
     _c_int64("x.numel()", geom.maps * max(geom.numel, geom.code_bytes(bits)))
+    _stream_length("x", geom.numel)
     return (ctypes.c_int64 * len(values))(*(_c_int64("geometry", v) for v in values))
 
 
@@ -459,6 +469,7 @@ def _token_args(geom: TokenGeometry, bits: int, strides=(0, 0, 0, 0), out_stride
     codes = _token_parts(geom, bits)[3][1]
     _c_int64("x.numel()", math.prod(geom.panel))
     _c_int64("codes", math.prod(codes))
+    _stream_length("x", geom.quant_shape[2])
     values = (*geom.panel, *geom.extents, *geom.counts, *geom.lfc_strides, int(geom.chan),
               codes[2], *strides, out_stride)
     return (ctypes.c_int64 * len(values))(*(_c_int64("token geometry", v) for v in values))
@@ -480,8 +491,8 @@ def token_encode(x: torch.Tensor, geom: TokenGeometry, bits: int, noise: torch.T
         x: float32 CPU tensor of shape geom.panel, any strides (read in place).
         geom: the layout's sizes.
         bits: Q in {1, 2, 4, 8}.
-        noise: float32 uniforms of geom.quant_shape, or None to draw from `seed` (SplitMix64,
-            element g of the quant view as in `encode`).
+        noise: float32 uniforms of geom.quant_shape, or None to draw from `seed` (the stream of
+            cpu_division.c's header, map index and element of the quant view as in `encode`).
         seed: a 64-bit integer.
 
     Returns:

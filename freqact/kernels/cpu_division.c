@@ -26,10 +26,12 @@
  * Maps of at most SMALL_MAP elements (4 x 4, 8 x 8, 16 x 16) that draw their own noise go 16 at
  * a time, one per lane of a transposed panel, through the same operations per lane
  * (encode_small_maps, on the token layouts' quantize_lanes).
- * u comes from `noise` when given, else from SplitMix64 (Steele, Lea and Flood 2014) used as a
- * counter-based generator, drawn in registers inside the quantise loop: element g of the whole
- * tensor takes 24 bits of the draw at state seed + (g / 2 + 1) * golden gamma (bits 40-63 for
- * even g, 16-39 for odd g), so the bytes depend on the seed alone, not on the thread count.
+ * u comes from `noise` when given, else from a counter-based generator drawn in registers inside
+ * the quantise loop: quant map m (of at most 2^32 elements) has two 32-bit keys, the low (add)
+ * and high (flip) halves of SplitMix64's draw (Steele, Lea and Flood 2014) at state seed +
+ * (m + 1) * golden gamma, and its element t takes the top 24 bits of lowbias32(((t ^ flip) *
+ * golden32 + add) mod 2^32) (Wellons' integer hash), times 2^-24; so the bytes depend on the
+ * seed alone, not on the thread count, and a map's uniforms on its index alone.
  *
  * Decoded NaNs: which of two NaNs an addition returns (its sign and payload) follows the operand
  * order the compiler picks, so it is not specified (a NaN map decodes to NaN all the same).
@@ -38,7 +40,7 @@
  * reference's torch operations do. Loops are written so that the compiler vectorises them (flat
  * loops over a map) or with GCC/Clang vector types in lane groups of GL (16 with AVX-512, 8
  * without: HALVES16 below): min/max lanes, a group of codes per quantise, pack, unpack and
- * dequantise step, a group of mask bits per step, half a group of SplitMix64 draws at a time,
+ * dequantise step, a group of mask bits per step, a group of uniforms at a time,
  * 8 token blocks' means, 16 token quant maps and 16 small maps in lanes (a group at a time), 16
  * token columns per decode step; not with intrinsics: the file builds for any CPU, as scalar
  * code without vector units. Each vector step does per lane the float operations of the scalar
@@ -166,9 +168,6 @@ typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x4 __attribute__((vector_size(16)));
 typedef uint64_t u64x2 __attribute__((vector_size(16)));
-/* 8 SplitMix64 states at once (vpmullq with AVX-512 DQ) */
-typedef uint64_t u64x8 __attribute__((vector_size(64)));
-typedef uint64_t u64x4 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 /* Lane-wise `mask ? a : b` (mask lanes all ones or all zeros, as vector comparisons give), for 8
@@ -291,22 +290,18 @@ static inline int any16(i32x16 m) {
  * lanes in 16-lane registers, or on the halves path (HALVES16) 8 lanes in 8-lane registers; the
  * same operations per lane.
  * Either width is native, so a group's comparisons are the plain operators. gf32/gi32/gu32:
- * float/int32/uint32 lanes of a group, gu64: the SplitMix64 states of half its maps. */
+ * float/int32/uint32 lanes of a group. */
 #if HALVES16
 enum { GL = 8 };
 typedef f32x8 gf32;
 typedef i32x8 gi32;
 typedef u32x8 gu32;
-typedef u64x4 gu64;
-typedef u32x4 gu32h; /* a gu64 narrowed */
 typedef u16x8 gu16;
 #else
 enum { GL = 16 };
 typedef f32x16 gf32;
 typedef i32x16 gi32;
 typedef u32x16 gu32;
-typedef u64x8 gu64;
-typedef u32x8 gu32h;
 typedef u16x16 gu16;
 #endif
 
@@ -314,7 +309,6 @@ typedef u16x16 gu16;
 #define finite_g finite8
 DEFINE_BF16_TO_FLOAT(bf16_to_float_g, f32x8, i32x8)
 #define select_g select
-#define splitmix_g splitmix4
 #define quantize_g quantize8
 #define any_g any8
 #define splat_g splat8
@@ -326,7 +320,6 @@ DEFINE_BF16_TO_FLOAT(bf16_to_float_g, f32x8, i32x8)
 #define finite_g finite16
 #define bf16_to_float_g bf16_to_float16
 #define select_g select16
-#define splitmix_g splitmix8
 #define quantize_g quantize16
 #define any_g any16
 #define splat_g splat16
@@ -339,74 +332,64 @@ DEFINE_BF16_TO_FLOAT(bf16_to_float_g, f32x8, i32x8)
 /* --- noise ---------------------------------------------------------------------------------- */
 
 #define GOLDEN_GAMMA 0x9E3779B97F4A7C15ull
+#define GOLDEN32 0x9E3779B9u
 
-/* A group's draws of 24 bits scaled to [0, 1) by 2^-24 (< 2^24: exact as int32 and as float, as
- * the scalar (float)(uint64) conversion). */
-static inline gf32 uniform24(gu32 bits) {
+/* SplitMix64's output for state z (Steele, Lea and Flood 2014): its finaliser. */
+static inline uint64_t splitmix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* Map m's two noise keys: the low (add) and high (flip) 32 bits of SplitMix64's draw at state
+ * seed + (m + 1) * golden gamma. */
+typedef struct {
+    uint32_t add, flip;
+} map_key;
+
+static inline map_key key_of(uint64_t seed, uint64_t map) {
+    const uint64_t r = splitmix64(seed + (map + 1u) * GOLDEN_GAMMA);
+    return (map_key){(uint32_t)r, (uint32_t)(r >> 32)};
+}
+
+/* Wellons' lowbias32 integer hash (its 2022 constants), a bijection of 32-bit words; lane-wise
+ * for a group (32-bit multiplies: one instruction per group on AVX2, where SplitMix64's 64-bit
+ * ones are three and a half dozen instructions of shuffles). */
+#define DEFINE_MIX32(name, vec)                                                     \
+    static inline vec name(vec x) {                                                 \
+        x ^= x >> 16;                                                               \
+        x *= 0x21F0AAADu;                                                           \
+        x ^= x >> 15;                                                               \
+        x *= 0x735A2D97u;                                                           \
+        return x ^ (x >> 15);                                                       \
+    }
+DEFINE_MIX32(mix_g, gu32)
+
+/* The uniforms of elements t of maps with keys (flip, add), lane-wise: the top 24 bits of
+ * mix(((t ^ flip) * golden32 + add) mod 2^32), times 2^-24 (< 2^24: exact as int32 and as
+ * float). */
+static inline gf32 uniforms_at(gu32 t, gu32 flip, gu32 add) {
+    const gu32 bits = mix_g((t ^ flip) * GOLDEN32 + add) >> 8;
     return __builtin_convertvector((gi32)bits, gf32) * 0x1p-24f;
 }
 
-/* SplitMix64's outputs for 8 (4) states z (seed + (k + 1) * golden gamma for draws k): its
- * finaliser, lane-wise. */
-#define DEFINE_SPLITMIX(name, vec)                                                  \
-    static inline vec name(vec z) {                                                 \
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;                                \
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;                                \
-        return z ^ (z >> 31);                                                       \
-    }
-DEFINE_SPLITMIX(splitmix8, u64x8)
-DEFINE_SPLITMIX(splitmix4, u64x4)
-
-/* The GL uniforms of the elements 2k .. 2k + GL - 1 from the states z of draws k .. k + GL / 2
- * - 1 (bits 40-63 to even elements, 16-39 to odd ones, each scaled to [0, 1) by 2^-24); z
- * advances by GL / 2 draws. */
-static inline gf32 uniforms_g(gu64 *z) {
-    const gu64 r = splitmix_g(*z);
-    const gu32h hi = __builtin_convertvector(r >> 40, gu32h);
-    const gu32h lo = __builtin_convertvector((r >> 16) & 0xFFFFFF, gu32h);
-#if HALVES16
-    const gu32 bits = __builtin_shufflevector(hi, lo, 0, 4, 1, 5, 2, 6, 3, 7);
-#else
-    const gu32 bits = __builtin_shufflevector(hi, lo, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6,
-                                              14, 7, 15);
-#endif
-    *z += GL / 2 * GOLDEN_GAMMA;
-    return uniform24(bits);
-}
-
-/* The states of draws k .. k + GL / 2 - 1 for the draw k holding element `first`. */
-static inline gu64 draw_states(uint64_t seed, uint64_t first) {
-    gu64 lanes;
-    for (int l = 0; l < GL / 2; l++) lanes[l] = (uint64_t)l + 1u;
-    return seed + ((first >> 1) + lanes) * GOLDEN_GAMMA;
-}
-
-/* The noise of one map drawn in registers, GL uniforms per `next_uniforms` from element `first`
- * on (no buffer: the encode's maps read theirs once, in the quantise loop). An odd first shifts
- * each GL drawn by one element: `carry` holds the GL drawn before. */
+/* The noise of one map drawn in registers, GL uniforms per `next_uniforms` from its element 0
+ * on (no buffer: the encode's maps read theirs once, in the quantise loop). */
 typedef struct {
-    gu64 z;
-    gf32 carry;
-    int odd;
+    gu32 t, flip, add;
 } map_noise;
 
-static inline map_noise noise_at(uint64_t seed, uint64_t first) {
-    map_noise s = {draw_states(seed, first), {0}, (int)(first & 1)};
-    if (s.odd) s.carry = uniforms_g(&s.z);
+static inline map_noise noise_of(uint64_t seed, uint64_t map) {
+    const map_key k = key_of(seed, map);
+    map_noise s = {{0}, (gu32){0} + k.flip, (gu32){0} + k.add};
+    for (int l = 0; l < GL; l++) s.t[l] = (uint32_t)l;
     return s;
 }
 
 static inline gf32 next_uniforms(map_noise *s) {
-    const gf32 v = uniforms_g(&s->z);
-    if (!s->odd) return v;
-#if HALVES16
-    const gf32 shifted = __builtin_shufflevector(s->carry, v, 1, 2, 3, 4, 5, 6, 7, 8);
-#else
-    const gf32 shifted = __builtin_shufflevector(s->carry, v, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
-                                                 12, 13, 14, 15, 16);
-#endif
-    s->carry = v;
-    return shifted;
+    const gf32 v = uniforms_at(s->t, s->flip, s->add);
+    s->t += GL;
+    return v;
 }
 
 /* --- encode: block means and residual ----------------------------------------------------- */
@@ -768,13 +751,13 @@ static inline __attribute__((always_inline)) void quantize_pack_fixed(
     pack_row(q, n - i, codes + i * bits / 8, bits);
 }
 
-/* u: the map's uniforms, or NULL to draw them from the stream of seed at element `first` (the
- * map's noise state a local, whose address no other path takes: it stays in registers). */
+/* u: the map's uniforms, or NULL to draw them from the stream of seed for map `map` (the map's
+ * noise state a local, whose address no other path takes: it stays in registers). */
 static void quantize_pack(int64_t n, int bits, const float *h, const float *u, uint64_t seed,
-                          uint64_t first, const float *ahead, float lo, float divisor, float qmax,
+                          uint64_t map, const float *ahead, float lo, float divisor, float qmax,
                           uint8_t *codes) {
     map_noise s = {0};
-    if (!u) s = noise_at(seed, first);
+    if (!u) s = noise_of(seed, map);
 #define QUANTIZE_AT(b)                                                                         \
     (u ? quantize_pack_fixed(n, h, u, NULL, ahead, lo, divisor, qmax, codes, b)                \
        : quantize_pack_fixed(n, h, NULL, &s, ahead, lo, divisor, qmax, codes, b))
@@ -834,11 +817,11 @@ static void map_range(int64_t n, const float *h, float *mn_out, float *mx_out) {
     *mx_out = any_nan ? NAN : hi + 0.0f;
 }
 
-/* h: the residual of the map whose elements are elements first .. first + n - 1 of the stream;
- * its uniforms: noise + first (noise: the whole tensor's), or when noise is NULL drawn from
- * seed; ahead: NULL or the next map's input, prefetched (quantize_pack_fixed). */
+/* h: the residual of map `map` (n elements); its uniforms: noise + map * n (noise: the whole
+ * tensor's), or when noise is NULL drawn from seed; ahead: NULL or the next map's input,
+ * prefetched (quantize_pack_fixed). */
 static void quantize_map_with(int64_t n, int bits, const float *h, const float *noise,
-                              uint64_t seed, uint64_t first, const float *ahead,
+                              uint64_t seed, uint64_t map, const float *ahead,
                               uint16_t *lo_out, uint16_t *step_out, uint8_t *codes) {
     float mn, mx;
     map_range(n, h, &mn, &mx);
@@ -852,7 +835,7 @@ static void quantize_map_with(int64_t n, int bits, const float *h, const float *
     const float step_f = bf16_to_float(step);
     *lo_out = lo;
     *step_out = step;
-    quantize_pack(n, bits, h, noise ? noise + first : NULL, seed, first, ahead, lo_f,
+    quantize_pack(n, bits, h, noise ? noise + map * n : NULL, seed, map, ahead, lo_f,
                   step_f == 0.0f ? 1.0f : step_f, qmax, codes);
 }
 
@@ -901,7 +884,7 @@ int freqact_division_encode(const int64_t *geom, int bits, const float *x, const
                     block_residual(&g, xm, rows, rows + W, rows + (1 + g.blk[1]) * W,
                                    lfc + m * g.nblocks, residual);
                 quantize_map_with(g.numel, bits, block ? residual : xm, noise, seed,
-                                  (uint64_t)(m * g.numel), m + 1 < maps ? xm + g.numel : NULL,
+                                  (uint64_t)m, m + 1 < maps ? xm + g.numel : NULL,
                                   lo + m, step + m, codes + m * g.code_bytes);
             }
         }
@@ -1154,10 +1137,10 @@ void freqact_unpack_mask(int64_t n, const uint8_t *packed, float off, float on, 
  * x - mean (saturated as in encode) is then quantised per token row (stats 0, `tok`: maps of F
  * elements, map index m * T + t) or per feature column (stats 1, `chan`: maps of T = H * W
  * elements, map index m * F + f), the quant view whose element g draws uniform g (noise[g], or
- * SplitMix64 as above). Per sequence, in cache: gather (a panel that is not contiguous), block
+ * the stream above: element t of map g / n, n the map length). Per sequence, in cache: gather (a panel that is not contiguous), block
  * sums, residual, then the quant maps 16 at a time, one per lane (quantize_lanes: `chan` maps
  * down 16 columns of the residual in place, `tok` maps from a 16-row strip transposed): min/max,
- * lo/step, SplitMix64 draws and quantise + pack in registers, nothing per map reduced across
+ * lo/step, uniforms and quantise + pack in registers, nothing per map reduced across
  * lanes and no uniforms stored; the maps left over (maps % 16) and every map of a call with
  * given noise one by one as in the map kernels (quantize_map_with). Decode: mean + (q * step + lo)
  * with the quant decode's edge rule, into a float32 (H * W, F) panel per sequence at
@@ -1586,52 +1569,11 @@ static inline void store_word(uint32_t w, uint8_t *out, int64_t n) {
 #define LITTLE_ENDIAN_HOST 1
 #endif
 
-/* Where the high 32 bits of a 64-bit lane sit when the lane is viewed as two 32-bit lanes. */
-#define HI32 LITTLE_ENDIAN_HOST
-
-/* The uniforms of a group's draws r (two halves of its lanes) from bits 40-63 (hi) or 16-39,
- * 24 bits per lane scaled to [0, 1) by 2^-24 (exact, as the scalar conversion). 16 lanes: the
- * 32-bit halves that hold them picked by one two-source permute (vpermt2d); 8 lanes: each half
- * shifted and narrowed, then joined. */
-#if HALVES16
-static inline f32x8 draw_uniforms(const u64x4 r[2], int hi) {
-    const u64x4 a = hi ? r[0] >> 40 : (r[0] >> 16) & 0xFFFFFF;
-    const u64x4 b = hi ? r[1] >> 40 : (r[1] >> 16) & 0xFFFFFF;
-    const u32x4 a32 = __builtin_convertvector(a, u32x4), b32 = __builtin_convertvector(b, u32x4);
-    const u32x8 bits = __builtin_shufflevector(a32, b32, 0, 1, 2, 3, 4, 5, 6, 7);
-    return __builtin_convertvector((i32x8)bits, f32x8) * 0x1p-24f;
-}
-#else
-static inline f32x16 draw_uniforms(const u64x8 r[2], int hi) {
-    const u64x8 a = hi ? r[0] : r[0] >> 16, b = hi ? r[1] : r[1] >> 16;
-    const u32x16 a32 = (u32x16)a, b32 = (u32x16)b;
-    u32x16 bits = hi ? __builtin_shufflevector(a32, b32, HI32, 2 + HI32, 4 + HI32, 6 + HI32,
-                                               8 + HI32, 10 + HI32, 12 + HI32, 14 + HI32,
-                                               16 + HI32, 18 + HI32, 20 + HI32, 22 + HI32,
-                                               24 + HI32, 26 + HI32, 28 + HI32, 30 + HI32) >> 8
-                     : __builtin_shufflevector(a32, b32, 1 - HI32, 3 - HI32, 5 - HI32, 7 - HI32,
-                                               9 - HI32, 11 - HI32, 13 - HI32, 15 - HI32,
-                                               17 - HI32, 19 - HI32, 21 - HI32, 23 - HI32,
-                                               25 - HI32, 27 - HI32, 29 - HI32, 31 - HI32)
-                           & 0xFFFFFF;
-    return uniform24(bits);
-}
-#endif
-
-/* The next draw of a group's maps (their states z advanced by one draw). */
-static inline void next_draw(gu64 z[2], gu64 r[2]) {
-    for (int half = 0; half < 2; half++) {
-        r[half] = splitmix_g(z[half]);
-        z[half] += GOLDEN_GAMMA;
-    }
-}
-
-/* quantize_lanes for one group of GL maps, with a constant `bits` and `odd_maps` (whether a map
- * can start at an odd element of the stream: n odd), always_inline: the shifts of the packing
- * are constants and a stream of even maps needs no per-lane choice of draw halves. */
+/* quantize_lanes for one group of GL maps, with a constant `bits`, always_inline: the shifts
+ * of the packing are constants. */
 static inline __attribute__((always_inline)) void quantize_group(
         int64_t map0, int64_t n, int64_t cb, const float *p, int64_t stride, uint64_t seed,
-        uint16_t *lo, uint16_t *step, uint8_t *codes, const int bits, const int odd_maps) {
+        uint16_t *lo, uint16_t *step, uint8_t *codes, const int bits) {
     gf32 mn, mx;
     lanes_range(p, n, stride, &mn, &mx);
     const gf32 qmax = (gf32){0} + (float)((1 << bits) - 1), zero = {0};
@@ -1646,38 +1588,24 @@ static inline __attribute__((always_inline)) void quantize_group(
     const gu16 step16 = __builtin_convertvector(step_b, gu16);
     memcpy(lo + map0, &lo16, sizeof lo16);
     memcpy(step + map0, &step16, sizeof step16);
-    /* map l's element t is element first_l + t of the stream, first_l = (map0 + l) * n: an
-     * even first_l takes elements t, t + 1 (t even) from one draw (cur), an odd one element t
-     * from cur's low bits and t + 1 from the next draw's high bits */
-    gu64 lanes;
-    for (int l = 0; l < GL / 2; l++) lanes[l] = (uint64_t)l;
-    gu64 z[2], cur[2], next[2];
-    gi32 odd = {0};
-    for (int half = 0; half < 2; half++) {
-        const gu64 first = ((uint64_t)map0 + GL / 2u * half + lanes) * (uint64_t)n;
-        z[half] = seed + ((first >> 1) + 1u) * GOLDEN_GAMMA;
-        for (int l = 0; l < GL / 2; l++) odd[GL / 2 * half + l] = -(int32_t)(first[l] & 1u);
+    /* lane l is map map0 + l: its keys, and element t of every lane in step */
+    gu32 flip, add, t = {0};
+    for (int l = 0; l < GL; l++) {
+        const map_key k = key_of(seed, (uint64_t)(map0 + l));
+        flip[l] = k.flip;
+        add[l] = k.add;
     }
-    next_draw(z, cur);
-    gf32 cur_hi = draw_uniforms(cur, 1);
     const int per_word = 32 / bits;
     for (int64_t w0 = 0; w0 < n; w0 += per_word) {
         gu32 word = {0};
 #pragma GCC unroll 16
-        for (int k = 0; k < per_word; k += 2) {
+        for (int k = 0; k < per_word; k++) {
             if (w0 + k >= n) break;
-            next_draw(z, next);
-            const gf32 cur_lo = draw_uniforms(cur, 0), next_hi = draw_uniforms(next, 1);
-            const gf32 u[2] = {odd_maps ? select_g(odd, cur_lo, cur_hi) : cur_hi,
-                               odd_maps ? select_g(odd, next_hi, cur_lo) : cur_lo};
-            cur[0] = next[0];
-            cur[1] = next[1];
-            cur_hi = next_hi;
-            for (int e = 0; e < 2 && w0 + k + e < n; e++) {
-                gf32 h;
-                memcpy(&h, p + (w0 + k + e) * stride, sizeof h);
-                word |= (gu32)quantize_g(h, u[e], lo_f, div, qmax) << (uint32_t)((k + e) * bits);
-            }
+            gf32 h;
+            memcpy(&h, p + (w0 + k) * stride, sizeof h);
+            word |= (gu32)quantize_g(h, uniforms_at(t, flip, add), lo_f, div, qmax)
+                    << (uint32_t)(k * bits);
+            t += 1u;
         }
         const int64_t at = w0 / per_word * 4;
         uint8_t *out = codes + map0 * cb + at;
@@ -1695,9 +1623,7 @@ static void quantize_lanes(int64_t map0, int64_t n, int64_t cb, int bits, const 
                            int64_t stride, uint64_t seed, uint16_t *lo, uint16_t *step,
                            uint8_t *codes) {
     for (int g0 = 0; g0 < 16; g0 += GL) {
-#define GROUP_AT(b)                                                                            \
-    (n % 2 ? quantize_group(map0 + g0, n, cb, p + g0, stride, seed, lo, step, codes, b, 1)     \
-           : quantize_group(map0 + g0, n, cb, p + g0, stride, seed, lo, step, codes, b, 0))
+#define GROUP_AT(b) quantize_group(map0 + g0, n, cb, p + g0, stride, seed, lo, step, codes, b)
         AT_CONSTANT_BITS(bits, GROUP_AT);
 #undef GROUP_AT
     }
@@ -1725,7 +1651,7 @@ static void quantize_panel(const int64_t *g, int64_t m, int bits, const float *p
     const float *h = chan ? ht : p + lanes * F; /* the remaining maps, one after the other */
     for (int64_t r = lanes; r < maps; r++) {
         const int64_t map = m * maps + r;
-        quantize_map_with(n, bits, h + (r - lanes) * n, noise, seed, (uint64_t)(map * n), NULL,
+        quantize_map_with(n, bits, h + (r - lanes) * n, noise, seed, (uint64_t)map, NULL,
                           lo + map, step + map, codes + map * cb);
     }
 }

@@ -96,16 +96,25 @@ def assert_stochastic_rounding(x: torch.Tensor, packed) -> None:
         assert (up[:, i] * up[:, i + lag] - p).sum().abs() <= 4 * (p * (1 - p)).sum().sqrt()
 
 
-def splitmix_uniforms(seed: int, count: int) -> torch.Tensor:
-    """The documented noise of the C kernels, written independently in Python integers: element g
-    takes bits 40-63 (even g) or 16-39 (odd g) of SplitMix64's draw at seed + (g // 2 + 1) * gamma,
-    times 2**-24."""
-    mask = 2**64 - 1
+def stream_uniforms(seed: int, maps: int, n: int) -> torch.Tensor:
+    """The documented noise of the C kernels, written independently in Python integers, (maps, n):
+    map m's keys are the low (add) and high (flip) 32 bits of SplitMix64's draw at state
+    seed + (m + 1) * gamma; its element t takes the top 24 bits of lowbias32(((t ^ flip) *
+    0x9E3779B9 + add) mod 2**32), times 2**-24."""
+    mask64, mask32 = 2**64 - 1, 2**32 - 1
     out = []
-    for g in range(count):
-        z = (seed + (g // 2 + 1) * 0x9E3779B97F4A7C15) & mask
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    for m in range(maps):
+        z = (seed + (m + 1) * 0x9E3779B97F4A7C15) & mask64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask64
         z ^= z >> 31
-        out.append(((z >> 16) & 0xFFFFFF if g % 2 else z >> 40) * 2.0**-24)
-    return torch.tensor(out, dtype=torch.float32)
+        add, flip = z & mask32, z >> 32
+        for t in range(n):
+            x = (((t ^ flip) * 0x9E3779B9) + add) & mask32
+            x ^= x >> 16
+            x = (x * 0x21F0AAAD) & mask32
+            x ^= x >> 15
+            x = (x * 0x735A2D97) & mask32
+            x ^= x >> 15
+            out.append((x >> 8) * 2.0**-24)
+    return torch.tensor(out, dtype=torch.float32).reshape(maps, n)

@@ -16,7 +16,7 @@ import torch
 import freqact.kernels as K
 from freqact.kernels import cpu
 from freqact.kernels import format as fmt
-from tests.kernels.helpers import assert_same_bytes, at_thread_counts, dyadic, splitmix_uniforms
+from tests.kernels.helpers import assert_same_bytes, at_thread_counts, dyadic, stream_uniforms
 
 pytestmark = pytest.mark.skipif(not cpu.available(),
                                 reason=f"C kernels unavailable: {cpu.unavailable_reason()}")
@@ -70,10 +70,10 @@ def test_a_compiler_without_openmp_still_builds_single_threaded(monkeypatch, tmp
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 7, 9), (3, 1, 5)], ids=str)  # odd maps: pairs straddle
-def test_own_noise_is_the_documented_splitmix_stream(shape):
+def test_own_noise_is_the_documented_stream(shape):
     seed = 0x0123456789ABCDEF
     x = dyadic(shape, torch.float32, torch.Generator().manual_seed(10))
-    noise = splitmix_uniforms(seed, x.numel()).reshape(shape)
+    noise = stream_uniforms(seed, shape[0] * shape[1], x[0, 0].numel()).reshape(shape)
     lfc, lo, step, codes = cpu.encode(x, fmt.geometry(x.shape, 4), 2, None, seed)
     want = K.division_encode(x, 4, 2, noise, backend="torch")
     got = fmt.DivisionPacked(lfc, lo, step, codes, x.shape, x.dtype, 4, 2)
@@ -83,7 +83,7 @@ def test_own_noise_is_the_documented_splitmix_stream(shape):
 def own_noise_against_torch(x, block, bits, seed):
     """The C encode drawing its own noise from seed, checked against the torch reference given
     that noise (the documented stream); returns (got, want)."""
-    noise = splitmix_uniforms(seed, x.numel()).reshape(x.shape)
+    noise = stream_uniforms(seed, x.shape[0] * x.shape[1], x[0, 0].numel()).reshape(x.shape)
     lfc, lo, step, codes = cpu.encode(x, fmt.geometry(x.shape, block), bits, None, seed)
     if block is None:
         got = fmt.QuantPacked(lo, step, codes, x.shape, x.dtype, bits)
@@ -134,6 +134,21 @@ def test_map_lengths_around_the_vector_widths_own_noise_and_edges(bits, block):
         torch.testing.assert_close(K.division_decode(got, backend="cpu"),
                                    K.division_decode(want, backend="torch"), rtol=0, atol=0,
                                    equal_nan=True)
+
+
+def test_maps_longer_than_the_noise_stream_are_refused_before_c():
+    # A map's elements are numbered in 32 bits in the C noise stream: 2**32 elements pass the
+    # check, one more is refused by name (geometries only: nothing of that size is allocated).
+    for n, ok in ((2**32, True), (2**32 + 1, False)):
+        geom = fmt.geometry((1, 2, n), None)
+        token = cpu.TokenGeometry((1, 1, n, 8), (1, 1, 8), (1, n), (0, 1, 0), True)
+        for make, arg in ((cpu._geometry_args.__wrapped__, geom),
+                          (cpu._token_args.__wrapped__, token)):
+            if ok:
+                make(arg, 2)
+            else:
+                with pytest.raises(ValueError, match=r"^x: expected quant maps of at most 2\*\*32"):
+                    make(arg, 2)
 
 
 def test_cached_geometry_and_c_arrays_equal_fresh_ones():

@@ -1,7 +1,7 @@
 """The fused token-layout kernels (`freqact_token_encode`/`_decode` in cpu_division.c, called by
 `engine.layouts.TokenLayout` on the CPU) against the torch two-kernel path that specifies them:
 byte for byte on dyadic data, every layout, odd shapes and tails, any memory layout, edge values;
-their own SplitMix64 noise is the quant kernel's stream on the stats view."""
+their own noise is the quant kernel's stream on the stats view."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +18,7 @@ from tests.kernels.helpers import (
     at_thread_counts,
     bytes_of,
     dyadic,
-    splitmix_uniforms,
+    stream_uniforms,
 )
 
 pytestmark = pytest.mark.skipif(not cpu.available(),
@@ -197,8 +197,8 @@ def test_map_lengths_around_the_vector_widths_with_own_noise(blocks, stats, bits
         x[0] = x[0].clamp(min=0)
         x[0][(x[0] == 0) & (torch.rand(x[0].shape, generator=gen) < 0.5)] = -0.0
         geom, head = fused._geometry(shape)[:2]
-        count = geom.quant_shape[0] * geom.quant_shape[1] * geom.quant_shape[2]
-        noise = splitmix_uniforms(seed, count).reshape(geom.quant_shape)
+        maps, count = geom.quant_shape[0] * geom.quant_shape[1], geom.quant_shape[2]
+        noise = stream_uniforms(seed, maps, count).reshape(geom.quant_shape)
         want = ref.encode(x, noise)
         lfc, lo, step, codes = cpu.token_encode(TokenLayout._panel(x, head, geom), geom, bits,
                                                 None, seed)
