@@ -1390,26 +1390,27 @@ static void row_means(const int64_t *g, const float *src, block_row r, const flo
 }
 
 /* acc[f] for the `vecs` vectors of 16 features at f: 0 + x[f] of the tokens of block row r in
- * order (h, w), in registers. always_inline with a constant `vecs`. */
+ * order (h, w), in registers, a lane group per register. always_inline with a constant `vecs`. */
 static inline __attribute__((always_inline)) void sum_vectors(const int64_t *g, const float *src,
                                                               block_row r, int64_t f,
                                                               float *acc, const int vecs) {
     const int64_t W = g[T_W], F = g[T_F];
-    f32x16 sum[4] = {{0}}, v;
+    const int groups = vecs * 16 / GL;
+    gf32 sum[64 / GL] = {{0}}, v;
     for (int64_t h = r.h0; h < r.h1; h++)
         for (int64_t w = r.w0; w < r.w1; w++) {
             const float *x = src + (h * W + w) * F + f;
-            for (int k = 0; k < vecs; k++) {
-                memcpy(&v, x + 16 * k, sizeof v);
+            for (int k = 0; k < groups; k++) {
+                memcpy(&v, x + GL * k, sizeof v);
                 sum[k] += v;
             }
         }
-    for (int k = 0; k < vecs; k++) memcpy(acc + f + 16 * k, &sum[k], sizeof sum[k]);
+    for (int k = 0; k < groups; k++) memcpy(acc + f + GL * k, &sum[k], sizeof sum[k]);
 }
 
-/* acc[f] = 0 + x[f] of the tokens of block row r in order (h, w): 64 features at a time in four
- * registers (independent additions: one running sum waits on its previous add), then 16, then
- * one by one. Added into acc in memory, each token cost a load and a store more per vector. */
+/* acc[f] = 0 + x[f] of the tokens of block row r in order (h, w): 64 features at a time in
+ * 64 / GL registers (independent additions: one running sum waits on its previous add), then 16,
+ * then one by one. Added into acc in memory, each token cost a load and a store more per vector. */
 static void block_row_sums(const int64_t *g, const float *src, block_row r, float *acc) {
     const int64_t W = g[T_W], F = g[T_F];
     int64_t f = 0;
