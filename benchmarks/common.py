@@ -101,15 +101,25 @@ def print_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> None
 
 
 def _cpu_model() -> str | None:
-    """The CPU's model name from /proc/cpuinfo (Linux), else None."""
+    """The CPU's model name with its family and model numbers from /proc/cpuinfo (Linux), else
+    None: the name alone can be the same for CPUs generations apart ("AMD EPYC" is Zen 1 on
+    family 23 model 1, Zen 3 on family 25 model 1)."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model"):
+                    fields.setdefault(key, value.strip())
+                if not line.strip() and fields:  # the first processor's block is enough
+                    break
     except OSError:
-        pass
-    return None
+        return None
+    name = fields.get("model name")
+    if name is None or "cpu family" not in fields:
+        return name
+    return f"{name} (family {fields['cpu family']}, model {fields.get('model', '?')})"
 
 
 def _c_kernels_vectors() -> str:
