@@ -69,7 +69,7 @@ def test_a_compiler_without_openmp_still_builds_single_threaded(monkeypatch, tmp
         cpu._library.cache_clear()
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 7, 9), (3, 1, 5)], ids=str)  # odd maps: pairs straddle
+@pytest.mark.parametrize("shape", [(2, 3, 7, 9), (3, 1, 5)], ids=str)  # odd maps: tails
 def test_own_noise_is_the_documented_stream(shape):
     seed = 0x0123456789ABCDEF
     x = dyadic(shape, torch.float32, torch.Generator().manual_seed(10))
@@ -101,8 +101,8 @@ def own_noise_against_torch(x, block, bits, seed):
 @pytest.mark.parametrize("block", [None, 64, 4], ids=["quant", "one-block", "blocks"])
 def test_small_maps_sixteen_at_a_time_give_the_per_map_bytes(bits, block):
     # Maps of at most 256 elements go 16 at a time in lanes (encode_small_maps): 38 maps are two
-    # groups and 6 maps of the per-map path; odd lengths start every other map at an odd element
-    # of the noise stream; block 4 gives maps of several blocks (edge blocks included).
+    # groups and 6 maps of the per-map path; odd lengths leave a tail after the last lane group;
+    # block 4 gives maps of several blocks (edge blocks included).
     seed = 0x5EED5EED5EED5EED
     gen = torch.Generator().manual_seed(bits)
     for shape in [(2, 19, 1), (2, 19, 7), (2, 19, 15), (2, 19, 16), (2, 19, 4, 4),
@@ -116,9 +116,9 @@ def test_small_maps_sixteen_at_a_time_give_the_per_map_bytes(bits, block):
         own_noise_against_torch(x, block, bits, seed)
 
 
-# Map lengths around the kernels' vector widths: 8 lanes for the min/max, 16 for the quantise,
-# pack, unpack and dequantise steps and for the 8 SplitMix64 draws of one noise step; odd lengths
-# start every other map at an odd element of the noise stream (its pair straddles two maps).
+# Map lengths around the kernels' vector widths: 8 lanes for the min/max, a lane group (8 or 16)
+# for the quantise, pack, unpack and dequantise steps and for the uniforms of one noise step; odd
+# lengths leave tails drawn from the same step.
 LENGTHS = [1, 7, 8, 9, 15, 16, 17, 31, 33]
 
 

@@ -177,8 +177,8 @@ def test_bad_noise_and_mismatched_parts_are_refused():
 
 
 # Quant maps of n elements around the kernels' vector widths (tokens for chan, features for tok:
-# 8 lanes for the min/max, 16 for the quantise/pack/dequantise steps and one noise step; odd n
-# start every other map at an odd element of the noise stream), 64 features for chan: eight
+# 8 lanes for the min/max, a lane group for the quantise/pack/dequantise steps and one noise
+# step; odd n leave tails), 64 features for chan: eight
 # feature blocks of 8 (one step of the block means' lanes).
 LENGTHS = [1, 7, 8, 9, 15, 16, 17, 31, 33]
 
