@@ -353,8 +353,9 @@ static inline map_key key_of(uint64_t seed, uint64_t map) {
 }
 
 /* Wellons' lowbias32 integer hash (its 2022 constants), a bijection of 32-bit words; lane-wise
- * for a group (32-bit multiplies: one instruction per group on AVX2, where SplitMix64's 64-bit
- * ones are three and a half dozen instructions of shuffles). */
+ * for a group. Its multiplies are 32-bit: one instruction per lane group on AVX2, which has no
+ * 64-bit lane multiply (GCC builds each of SplitMix64's from three 32-bit ones, shifts and
+ * adds). */
 #define DEFINE_MIX32(name, vec)                                                     \
     static inline vec name(vec x) {                                                 \
         x ^= x >> 16;                                                               \
@@ -1137,16 +1138,16 @@ void freqact_unpack_mask(int64_t n, const uint8_t *packed, float off, float on, 
  * x - mean (saturated as in encode) is then quantised per token row (stats 0, `tok`: maps of F
  * elements, map index m * T + t) or per feature column (stats 1, `chan`: maps of T = H * W
  * elements, map index m * F + f), the quant view whose element g draws uniform g (noise[g], or
- * the stream above: element t of map g / n, n the map length). Per sequence, in cache: gather (a panel that is not contiguous), block
- * sums, residual, then the quant maps 16 at a time, one per lane (quantize_lanes: `chan` maps
- * down 16 columns of the residual in place, `tok` maps from a 16-row strip transposed): min/max,
- * lo/step, uniforms and quantise + pack in registers, nothing per map reduced across
- * lanes and no uniforms stored; the maps left over (maps % 16) and every map of a call with
- * given noise one by one as in the map kernels (quantize_map_with). Decode: mean + (q * step + lo)
- * with the quant decode's edge rule, into a float32 (H * W, F) panel per sequence at
- * out + m * out_stride: `chan` maps 16 columns at a time straight from their code words into
- * the panel (dequantize_columns), the rest map by map; no transpose and no separate mean pass.
- * At most one OpenMP thread per sequence. */
+ * the stream above: element t of map g / n, n the map length). Per sequence, in cache: gather
+ * (a panel that is not contiguous), block sums, residual, then the quant maps 16 at a time, one
+ * per lane (quantize_lanes: `chan` maps down 16 columns of the residual in place, `tok` maps
+ * from a 16-row strip transposed): min/max, lo/step, uniforms and quantise + pack in registers,
+ * nothing per map reduced across lanes and no uniforms stored; the maps left over (maps % 16)
+ * and every map of a call with given noise one by one as in the map kernels (quantize_map_with).
+ * Decode: mean + (q * step + lo) with the quant decode's edge rule, into a float32 (H * W, F)
+ * panel per sequence at out + m * out_stride: `chan` maps 16 columns at a time straight from
+ * their code words into the panel (dequantize_columns), the rest map by map; no transpose and no
+ * separate mean pass. At most one OpenMP thread per sequence. */
 
 enum { T_M, T_H, T_W, T_F, T_BH, T_BW, T_BF, T_NBH, T_NBW, T_NBF, T_LH, T_LW, T_LF, T_STATS,
        T_CODE_BYTES, T_SM, T_SH, T_SW, T_SF, T_OUT_STRIDE, T_LEN };
