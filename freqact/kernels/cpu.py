@@ -278,10 +278,10 @@ def _c_int64(name: str, value: int) -> int:
 
 def _stream_length(name: str, n: int) -> int:
     """n if a quant map of n elements fits the kernels' noise stream, which numbers a map's
-    elements in 32 bits (cpu_division.c: element t of a map draws from (t ^ flip) mod 2^32)."""
+    elements in 32 bits (cpu_division.c: element t of a map hashes (t * mul + add) mod 2^32)."""
     if n > 2**32:
         raise ValueError(f"{name}: expected quant maps of at most 2**32 elements (the C kernels' "
-                         f"noise stream numbers them in 32 bits), got {n}")
+                         f"noise stream numbers them in 32 bits), got maps of {n}")
     return n
 
 
@@ -469,7 +469,8 @@ def _token_args(geom: TokenGeometry, bits: int, strides=(0, 0, 0, 0), out_stride
     codes = _token_parts(geom, bits)[3][1]
     _c_int64("x.numel()", math.prod(geom.panel))
     _c_int64("codes", math.prod(codes))
-    _stream_length("x", geom.quant_shape[2])
+    _stream_length("x (tokens per sequence for chan stats, features for tok)",
+                   geom.quant_shape[2])
     values = (*geom.panel, *geom.extents, *geom.counts, *geom.lfc_strides, int(geom.chan),
               codes[2], *strides, out_stride)
     return (ctypes.c_int64 * len(values))(*(_c_int64("token geometry", v) for v in values))

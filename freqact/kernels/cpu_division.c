@@ -27,11 +27,15 @@
  * a time, one per lane of a transposed panel, through the same operations per lane
  * (encode_small_maps, on the token layouts' quantize_lanes).
  * u comes from `noise` when given, else from a counter-based generator drawn in registers inside
- * the quantise loop: quant map m (of at most 2^32 elements) has two 32-bit keys, the low (add)
- * and high (flip) halves of SplitMix64's draw (Steele, Lea and Flood 2014) at state seed +
- * (m + 1) * golden gamma, and its element t takes the top 24 bits of lowbias32(((t ^ flip) *
- * golden32 + add) mod 2^32) (Wellons' integer hash), times 2^-24; so the bytes depend on the
- * seed alone, not on the thread count, and a map's uniforms on its index alone.
+ * the quantise loop: quant map m (of at most 2^32 elements) has two 32-bit keys from
+ * SplitMix64's draw (Steele, Lea and Flood 2014) at state seed + (m + 1) * golden gamma, its
+ * low half (add) and its high half with the lowest bit set (mul, odd), and its element t takes
+ * the top 24 bits of lowbias32((t * mul + add) mod 2^32) (Wellons' integer hash), times 2^-24;
+ * so the bytes depend on the seed alone, not on the thread count, and a map's uniforms on its
+ * index alone. Each map hashes its own arithmetic progression (an odd mul: distinct inputs within
+ * a map), so two maps share no runs of inputs; with one step for all maps they would be windows
+ * of one sequence (65,536 maps of 256 elements: 271 pairs sharing runs of up to 256 inputs,
+ * test_maps_draw_from_unrelated_runs_of_the_stream).
  *
  * Decoded NaNs: which of two NaNs an addition returns (its sign and payload) follows the operand
  * order the compiler picks, so it is not specified (a NaN map decodes to NaN all the same).
@@ -332,7 +336,6 @@ DEFINE_BF16_TO_FLOAT(bf16_to_float_g, f32x8, i32x8)
 /* --- noise ---------------------------------------------------------------------------------- */
 
 #define GOLDEN_GAMMA 0x9E3779B97F4A7C15ull
-#define GOLDEN32 0x9E3779B9u
 
 /* SplitMix64's output for state z (Steele, Lea and Flood 2014): its finaliser. */
 static inline uint64_t splitmix64(uint64_t z) {
@@ -341,15 +344,15 @@ static inline uint64_t splitmix64(uint64_t z) {
     return z ^ (z >> 31);
 }
 
-/* Map m's two noise keys: the low (add) and high (flip) 32 bits of SplitMix64's draw at state
- * seed + (m + 1) * golden gamma. */
+/* Map m's two noise keys from SplitMix64's draw at state seed + (m + 1) * golden gamma: its low
+ * 32 bits (add) and its high 32 bits with the lowest set (mul, odd). */
 typedef struct {
-    uint32_t add, flip;
+    uint32_t add, mul;
 } map_key;
 
 static inline map_key key_of(uint64_t seed, uint64_t map) {
     const uint64_t r = splitmix64(seed + (map + 1u) * GOLDEN_GAMMA);
-    return (map_key){(uint32_t)r, (uint32_t)(r >> 32)};
+    return (map_key){(uint32_t)r, (uint32_t)(r >> 32) | 1u};
 }
 
 /* Wellons' lowbias32 integer hash (its 2022 constants), a bijection of 32-bit words; lane-wise
@@ -366,30 +369,31 @@ static inline map_key key_of(uint64_t seed, uint64_t map) {
     }
 DEFINE_MIX32(mix_g, gu32)
 
-/* The uniforms of elements t of maps with keys (flip, add), lane-wise: the top 24 bits of
- * mix(((t ^ flip) * golden32 + add) mod 2^32), times 2^-24 (< 2^24: exact as int32 and as
- * float). */
-static inline gf32 uniforms_at(gu32 t, gu32 flip, gu32 add) {
-    const gu32 bits = mix_g((t ^ flip) * GOLDEN32 + add) >> 8;
+/* The uniforms of hash inputs x (t * mul + add mod 2^32 of element t), lane-wise: the top 24
+ * bits of mix(x), times 2^-24 (< 2^24: exact as int32 and as float). */
+static inline gf32 uniforms_at(gu32 x) {
+    const gu32 bits = mix_g(x) >> 8;
     return __builtin_convertvector((gi32)bits, gf32) * 0x1p-24f;
 }
 
 /* The noise of one map drawn in registers, GL uniforms per `next_uniforms` from its element 0
- * on (no buffer: the encode's maps read theirs once, in the quantise loop). */
+ * on (no buffer: the encode's maps read theirs once, in the quantise loop): x holds the hash
+ * inputs of the next GL elements, each step adds GL * mul. */
 typedef struct {
-    gu32 t, flip, add;
+    gu32 x;
+    uint32_t advance;
 } map_noise;
 
 static inline map_noise noise_of(uint64_t seed, uint64_t map) {
     const map_key k = key_of(seed, map);
-    map_noise s = {{0}, (gu32){0} + k.flip, (gu32){0} + k.add};
-    for (int l = 0; l < GL; l++) s.t[l] = (uint32_t)l;
+    map_noise s = {{0}, (uint32_t)GL * k.mul};
+    for (int l = 0; l < GL; l++) s.x[l] = (uint32_t)l * k.mul + k.add;
     return s;
 }
 
 static inline gf32 next_uniforms(map_noise *s) {
-    const gf32 v = uniforms_at(s->t, s->flip, s->add);
-    s->t += GL;
+    const gf32 v = uniforms_at(s->x);
+    s->x += s->advance;
     return v;
 }
 
@@ -1138,7 +1142,7 @@ void freqact_unpack_mask(int64_t n, const uint8_t *packed, float off, float on, 
  * x - mean (saturated as in encode) is then quantised per token row (stats 0, `tok`: maps of F
  * elements, map index m * T + t) or per feature column (stats 1, `chan`: maps of T = H * W
  * elements, map index m * F + f), the quant view whose element g draws uniform g (noise[g], or
- * the stream above: element t of map g / n, n the map length). Per sequence, in cache: gather
+ * the stream above: element g % n of map g / n, n the map length). Per sequence, in cache: gather
  * (a panel that is not contiguous), block sums, residual, then the quant maps 16 at a time, one
  * per lane (quantize_lanes: `chan` maps down 16 columns of the residual in place, `tok` maps
  * from a 16-row strip transposed): min/max, lo/step, uniforms and quantise + pack in registers,
@@ -1590,12 +1594,12 @@ static inline __attribute__((always_inline)) void quantize_group(
     const gu16 step16 = __builtin_convertvector(step_b, gu16);
     memcpy(lo + map0, &lo16, sizeof lo16);
     memcpy(step + map0, &step16, sizeof step16);
-    /* lane l is map map0 + l: its keys, and element t of every lane in step */
-    gu32 flip, add, t = {0};
+    /* lane l is map map0 + l: x the hash input of its element t (from add, steps of mul) */
+    gu32 x, mul;
     for (int l = 0; l < GL; l++) {
         const map_key k = key_of(seed, (uint64_t)(map0 + l));
-        flip[l] = k.flip;
-        add[l] = k.add;
+        x[l] = k.add;
+        mul[l] = k.mul;
     }
     const int per_word = 32 / bits;
     for (int64_t w0 = 0; w0 < n; w0 += per_word) {
@@ -1605,9 +1609,8 @@ static inline __attribute__((always_inline)) void quantize_group(
             if (w0 + k >= n) break;
             gf32 h;
             memcpy(&h, p + (w0 + k) * stride, sizeof h);
-            word |= (gu32)quantize_g(h, uniforms_at(t, flip, add), lo_f, div, qmax)
-                    << (uint32_t)(k * bits);
-            t += 1u;
+            word |= (gu32)quantize_g(h, uniforms_at(x), lo_f, div, qmax) << (uint32_t)(k * bits);
+            x += mul;
         }
         const int64_t at = w0 / per_word * 4;
         uint8_t *out = codes + map0 * cb + at;

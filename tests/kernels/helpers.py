@@ -76,7 +76,7 @@ def _roundings(x: torch.Tensor, packed) -> tuple[torch.Tensor, torch.Tensor]:
 def assert_stochastic_rounding(x: torch.Tensor, packed) -> None:
     """Assert (4 sigma bounds) that packed = division_encode(x) rounded every residual up with
     probability equal to its fraction of a step: the error's mean and variance are those of
-    stochastic rounding, and neighbouring elements (which may share one generator call) round
+    stochastic rounding, and neighbouring elements (on Triton, Philox gives four per call) round
     independently.
 
     Args:
@@ -96,21 +96,30 @@ def assert_stochastic_rounding(x: torch.Tensor, packed) -> None:
         assert (up[:, i] * up[:, i + lag] - p).sum().abs() <= 4 * (p * (1 - p)).sum().sqrt()
 
 
-def stream_uniforms(seed: int, maps: int, n: int) -> torch.Tensor:
-    """The documented noise of the C kernels, written independently in Python integers, (maps, n):
-    map m's keys are the low (add) and high (flip) 32 bits of SplitMix64's draw at state
-    seed + (m + 1) * gamma; its element t takes the top 24 bits of lowbias32(((t ^ flip) *
-    0x9E3779B9 + add) mod 2**32), times 2**-24."""
-    mask64, mask32 = 2**64 - 1, 2**32 - 1
-    out = []
+def stream_keys(seed: int, maps: int) -> list[tuple[int, int]]:
+    """The documented noise keys (add, mul) of maps 0 .. maps - 1, in Python integers: the low 32
+    bits of SplitMix64's draw at state seed + (m + 1) * gamma, and its high 32 bits with the
+    lowest set."""
+    mask64 = 2**64 - 1
+    keys = []
     for m in range(maps):
         z = (seed + (m + 1) * 0x9E3779B97F4A7C15) & mask64
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask64
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask64
         z ^= z >> 31
-        add, flip = z & mask32, z >> 32
+        keys.append((z & 0xFFFFFFFF, (z >> 32) | 1))
+    return keys
+
+
+def stream_uniforms(seed: int, maps: int, n: int) -> torch.Tensor:
+    """The documented noise of the C kernels, written independently in Python integers, (maps, n):
+    element t of map m takes the top 24 bits of lowbias32((t * mul + add) mod 2**32), times
+    2**-24, (add, mul) the map's `stream_keys`."""
+    mask32 = 2**32 - 1
+    out = []
+    for add, mul in stream_keys(seed, maps):
         for t in range(n):
-            x = (((t ^ flip) * 0x9E3779B9) + add) & mask32
+            x = (t * mul + add) & mask32
             x ^= x >> 16
             x = (x * 0x21F0AAAD) & mask32
             x ^= x >> 15

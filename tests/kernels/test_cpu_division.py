@@ -16,7 +16,13 @@ import torch
 import freqact.kernels as K
 from freqact.kernels import cpu
 from freqact.kernels import format as fmt
-from tests.kernels.helpers import assert_same_bytes, at_thread_counts, dyadic, stream_uniforms
+from tests.kernels.helpers import (
+    assert_same_bytes,
+    at_thread_counts,
+    dyadic,
+    stream_keys,
+    stream_uniforms,
+)
 
 pytestmark = pytest.mark.skipif(not cpu.available(),
                                 reason=f"C kernels unavailable: {cpu.unavailable_reason()}")
@@ -80,6 +86,27 @@ def test_own_noise_is_the_documented_stream(shape):
     assert_same_bytes(got, want)
 
 
+def shared_inputs_per_map_pair(keys: list[tuple[int, int]], n: int) -> torch.Tensor:
+    """How many hash inputs (t * mul + add mod 2**32, t < n) each pair of maps with a common input
+    has in common (the hash is a bijection: equal inputs are equal uniforms)."""
+    add, mul = (torch.tensor(k, dtype=torch.int64)[:, None] for k in zip(*keys))
+    inputs = (torch.arange(n)[None] * mul + add) & 0xFFFFFFFF
+    owner = torch.arange(len(keys))[:, None].expand(-1, n)
+    order = inputs.flatten().argsort()
+    x, m = inputs.flatten()[order], owner.flatten()[order]
+    same = (x[1:] == x[:-1]) & (m[1:] != m[:-1])
+    pairs = torch.minimum(m[1:], m[:-1])[same] * len(keys) + torch.maximum(m[1:], m[:-1])[same]
+    return pairs.unique(return_counts=True)[1]
+
+
+def test_maps_draw_from_unrelated_runs_of_the_stream():
+    # 65,536 maps of 256 elements: 16.8 M inputs in 2**32 meet by chance in ~33 k pairs of maps,
+    # one input each (two in a pair: ~0.2 expected). Maps that read windows of one sequence (the
+    # same step for every map) shared runs: ~240 pairs of ~150 inputs here.
+    counts = shared_inputs_per_map_pair(stream_keys(0x0DDBA11CAFEF00D5, 2**16), 256)
+    assert 10_000 < len(counts) < 100_000 and counts.max() <= 3, (len(counts), counts.max())
+
+
 def own_noise_against_torch(x, block, bits, seed):
     """The C encode drawing its own noise from seed, checked against the torch reference given
     that noise (the documented stream); returns (got, want)."""
@@ -139,6 +166,7 @@ def test_map_lengths_around_the_vector_widths_own_noise_and_edges(bits, block):
 def test_maps_longer_than_the_noise_stream_are_refused_before_c():
     # A map's elements are numbered in 32 bits in the C noise stream: 2**32 elements pass the
     # check, one more is refused by name (geometries only: nothing of that size is allocated).
+    refused = r"^x( \(.*\))?: expected quant maps of at most 2\*\*32 elements"
     for n, ok in ((2**32, True), (2**32 + 1, False)):
         geom = fmt.geometry((1, 2, n), None)
         token = cpu.TokenGeometry((1, 1, n, 8), (1, 1, 8), (1, n), (0, 1, 0), True)
@@ -147,7 +175,7 @@ def test_maps_longer_than_the_noise_stream_are_refused_before_c():
             if ok:
                 make(arg, 2)
             else:
-                with pytest.raises(ValueError, match=r"^x: expected quant maps of at most 2\*\*32"):
+                with pytest.raises(ValueError, match=refused):
                     make(arg, 2)
 
 
@@ -180,15 +208,19 @@ _OTHER_PATH_DRIVER = textwrap.dedent("""
     # the same C semantics at any optimisation level: -O0 builds in 1 s (-O3: 20 s)
     cpu.CFLAGS = tuple("-O0" if f == "-O3" else f for f in cpu.CFLAGS)
     assert cpu.vector_halves() == bool(int(sys.argv[1])), "the other vector path was not built"
-    sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-x", "-k", "not triton",
-                          "tests/kernels/test_conformance.py", "tests/kernels/test_token_kernels.py"]))
+    args = ["-q", "-p", "no:cacheprovider", "-x"]
+    sys.exit(pytest.main([*args, "-k", "not triton", "tests/kernels/test_conformance.py",
+                          "tests/kernels/test_token_kernels.py"])
+             or pytest.main([*args, "-k", "documented_stream or small_maps or vector_widths",
+                             "tests/kernels/test_cpu_division.py"]))
 """)
 
 
 def test_the_other_vector_path_passes_the_conformance_tests(tmp_path):
     # cpu_division.c works in lane groups of 16 (AVX-512) or of 8 (HALVES16: without AVX-512
     # GCC leaves 16-lane comparisons scalar); a machine builds one of them. The other is built
-    # here (-DFREQACT_HALVES16) and must give the reference's bytes in the byte-level tests.
+    # here (-DFREQACT_HALVES16) and must give the reference's bytes in the byte-level tests and
+    # draw the documented noise stream.
     other = int(not cpu.vector_halves())
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, CC=f"{os.environ.get('CC', 'cc')} -DFREQACT_HALVES16={other}",
