@@ -276,13 +276,12 @@ def _c_int64(name: str, value: int) -> int:
     return value
 
 
-def _stream_length(name: str, n: int) -> int:
-    """n if a quant map of n elements fits the kernels' noise stream, which numbers a map's
-    elements in 32 bits (cpu_division.c: element t of a map hashes (t * mul + add) mod 2^32)."""
+def _check_stream_length(name: str, n: int) -> None:
+    """Refuse quant maps of n > 2^32 elements: the kernels' noise stream numbers a map's elements
+    in 32 bits (cpu_division.c: element t of a map hashes (t * mul + add) mod 2^32)."""
     if n > 2**32:
         raise ValueError(f"{name}: expected quant maps of at most 2**32 elements (the C kernels' "
                          f"noise stream numbers them in 32 bits), got maps of {n}")
-    return n
 
 
 def _threads() -> int:
@@ -296,7 +295,7 @@ def _geometry_args(geom: Geometry, bits: int):
     values = (geom.maps, *geom.dhw, *geom.block_dhw, *geom.counts_dhw, geom.code_bytes(bits))
     # The largest index the C code forms: maps * numel (and its code bytes) must fit too.
     _c_int64("x.numel()", geom.maps * max(geom.numel, geom.code_bytes(bits)))
-    _stream_length("x", geom.numel)
+    _check_stream_length("x", geom.numel)
     return (ctypes.c_int64 * len(values))(*(_c_int64("geometry", v) for v in values))
 
 
@@ -469,7 +468,7 @@ def _token_args(geom: TokenGeometry, bits: int, strides=(0, 0, 0, 0), out_stride
     codes = _token_parts(geom, bits)[3][1]
     _c_int64("x.numel()", math.prod(geom.panel))
     _c_int64("codes", math.prod(codes))
-    _stream_length("x (tokens per sequence for chan stats, features for tok)",
+    _check_stream_length("x (tokens per sequence for chan stats, features for tok)",
                    geom.quant_shape[2])
     values = (*geom.panel, *geom.extents, *geom.counts, *geom.lfc_strides, int(geom.chan),
               codes[2], *strides, out_stride)
