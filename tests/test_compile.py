@@ -361,7 +361,8 @@ def test_layout_ops_opcheck_and_eager_bytes():
 
 
 class _LayoutSpy:
-    """Records each TokenLayout encode (layout, input, seed, output) and decode."""
+    """Records each TokenLayout encode (layout, input read as its view, seed, output, the input
+    as given: its shape and whether it was contiguous) and decode."""
 
     def __init__(self, monkeypatch):
         from freqact.engine.layouts import TokenLayout
@@ -369,9 +370,10 @@ class _LayoutSpy:
         self.encoded, self.decoded = [], []
         encode, decode = TokenLayout.encode, TokenLayout.decode
 
-        def spy_encode(codec, x, noise=None, seed=None):
-            out = encode(codec, x, noise, seed)
-            self.encoded.append((codec.layout, x.clone(), seed, out))
+        def spy_encode(codec, x, noise=None, seed=None, view=None):
+            out = encode(codec, x, noise, seed, view)
+            self.encoded.append((codec.layout, x.reshape(out.shape).clone(), seed, out,
+                                 tuple(x.shape), x.is_contiguous()))
             return out
 
         def spy_decode(codec, packed):
@@ -407,6 +409,12 @@ def test_compiled_division_vit_token_layouts(monkeypatch):
     # not saved (eager's SdpaCall)
     assert rows["blocks.0.attn"].routes == ("division feat/chan",)
     assert meter.ratio > 6
+    # q, k, v reach the encode as the (N, heads, T, d) views of the qkv output the graph saves,
+    # read as (N * heads, T, d) in place: no copy before the encode
+    attention = [e for e in encoded if e[0] == "feat/chan"]
+    assert len(attention) == 3
+    assert all(e[3].shape == (16, 65, 16) and e[4] == (8, 2, 65, 16) and not e[5]
+               for e in attention)
     # the qkv Linear's input: the eager route's codec and view, the same bytes given the noise
     block = model.blocks[0]
     tokens = torch.cat([model.cls_token.expand(8, -1, -1),
@@ -417,7 +425,7 @@ def test_compiled_division_vit_token_layouts(monkeypatch):
     found = [e for e in encoded if e[0] == "tile/chan" and e[1].shape == qkv_input.shape
              and torch.allclose(e[1], qkv_input, atol=1e-5)]
     assert found
-    layout, xs, seed, packed = found[0]
+    layout, xs, seed, packed = found[0][:4]
     assert seed is not None  # the graph's own seed, drawn per step
     want = eager.codec.encode(xs, seed=seed)
     assert torch.equal(packed.quant.codes, want.quant.codes)

@@ -200,7 +200,7 @@ class SdpaCall:
         """Pack q, k, v themselves (the math path saves none of them); returns their bytes."""
         for role, ref in zip(ROLES, self.refs):
             x = ref()
-            self.packed[role] = self.layout.encode(x.reshape(token_view(tuple(x.shape), True)))
+            self.packed[role] = self.layout.encode(x, view=token_view(tuple(x.shape), True))
         return sum(p.nbytes for p in self.packed.values())
 
 class SdpaInput(TokenLayout):
@@ -212,8 +212,9 @@ class SdpaInput(TokenLayout):
         super().__init__(division.division)
         self.call, self.role = call, role
 
-    def encode(self, x: torch.Tensor, noise: torch.Tensor | None = None) -> LayoutPacked:
-        packed = super().encode(x, noise)
+    def encode(self, x: torch.Tensor, noise: torch.Tensor | None = None,
+               view: tuple[int, ...] | None = None) -> LayoutPacked:
+        packed = super().encode(x, noise, view=view)
         self.call.store(self.role, packed)
         return packed
 

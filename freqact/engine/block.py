@@ -14,6 +14,7 @@ from freqact.codecs import base as _codec_base
 from freqact.codecs.base import Codec
 from freqact.codecs.division import Division
 from freqact.engine import compiled, graph_meter
+from freqact.engine.layouts import TokenLayout
 from freqact.engine.meter import Meter
 from freqact.engine.params import ParamIndex, is_fsdp_unit
 from freqact.engine.recompute import Recompute, Recomputer
@@ -101,7 +102,10 @@ def _encode(route: Route, t: torch.Tensor, view=None) -> _Packed:
         # from its own records; detach() keeps the storage and the version counter.
         return _Packed(route, route.codec.encode(t.detach()))
     if view is not None:
-        return _Packed(route, route.codec.encode(t.reshape(view)), shape=t.shape)
+        codec = route.codec  # a token layout reads attention's (N, heads, T, d) views in place
+        data = (codec.encode(t, view=view) if isinstance(codec, TokenLayout)
+                else codec.encode(t.reshape(view)))
+        return _Packed(route, data, shape=t.shape)
     data = route.codec.encode(t.t() if route.channels else t)
     return _Packed(route, data, _memory_format(t))
 

@@ -16,6 +16,7 @@ seeding of each lazily initialised device backend with a stack trace).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -55,7 +56,8 @@ def layout_encode(x: torch.Tensor, layout: str, block: int, bits: int, seed: tor
     """`TokenLayout(division, *layout.split("/")).encode` as an op.
 
     Args:
-        x: floating (M, T, F) token view.
+        x: floating (M, T, F) token view, or attention's (N, heads, T, d) read as (N * heads,
+            T, d) (in place: a view of the qkv projection is not copied).
         layout: one of LAYOUTS; block, bits: division's B and Q; backend as in
             `freqact.kernels.division_encode`.
         seed: int64 scalar tensor: `TokenLayout.encode`'s seed (modulo 2**63).
@@ -64,14 +66,22 @@ def layout_encode(x: torch.Tensor, layout: str, block: int, bits: int, seed: tor
         (lfc, lo, step, codes): bf16 block means of the block view, bf16 (M, S) min and step
         and uint8 (M, S, nbytes) codes of the stats view (S = F for `chan`, T for `tok`).
     """
-    _views(tuple(x.shape), layout)  # checks layout
-    p = layout_codec(layout, block, bits, backend).encode(x, seed=int(seed) % 2**63)
+    view = _sequences(x)
+    _views(view, layout)  # checks layout
+    p = layout_codec(layout, block, bits, backend).encode(x, seed=int(seed) % 2**63, view=view)
     return p.lfc.lfc, p.quant.lo, p.quant.step, p.quant.codes
+
+
+def _sequences(x: torch.Tensor) -> tuple[int, int, int]:
+    """The (M, T, F) view `layout_encode` reads x as: every dim before the last two a sequence."""
+    if x.dim() not in (3, 4):
+        raise ValueError(f"x: expected (M, T, F) or (N, heads, T, d), got shape {tuple(x.shape)}")
+    return math.prod(x.shape[:-2]), x.shape[-2], x.shape[-1]
 
 
 @layout_encode.register_fake
 def _layout_encode_fake(x, layout, block, bits, seed, backend="auto"):
-    blocks, stats = _views(tuple(x.shape), layout)
+    blocks, stats = _views(_sequences(x), layout)
     lfc, quant = geometry(blocks, block), geometry(stats, None)
     return (x.new_empty(lfc.lfc_shape, dtype=torch.bfloat16),
             x.new_empty(quant.stat_shape, dtype=torch.bfloat16),

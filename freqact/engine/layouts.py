@@ -185,28 +185,46 @@ class TokenLayout(Codec):
 
     @staticmethod
     def _panel(x: torch.Tensor, head: int, geom: cpu.TokenGeometry) -> torch.Tensor:
-        """The body of x as the float32 (M, H, W, F) panel the fused kernels read (any strides:
-        a view of a float32 x, except a (N, H, W, C) grid read as a sequence that cannot be)."""
+        """The body of x as the float32 panel the fused kernels read: (M, H, W, F), or (N, heads,
+        1, T, d) for attention's (N, heads, T, d) read as M = N * heads sequences (the kernel
+        reads those through two strides, so a view of the qkv projection is not copied). Any
+        strides: a view of a float32 x, except a (N, H, W, C) grid read as a sequence that
+        cannot be."""
         body = x[:, head:] if head else x
         if body.dtype != torch.float32:
             body = body.float()
-        return body if body.shape == geom.panel else body.reshape(geom.panel)
+        if body.shape == geom.panel:
+            return body
+        m, h = geom.panel[:2]
+        if (body.dim() == 4 and body.shape[0] != m and body.shape[0] * body.shape[1] == m
+                and h == 1 and body.shape[2:] == geom.panel[2:]):
+            return body.unsqueeze(2)
+        return body.reshape(geom.panel)
 
     def encode(self, x: torch.Tensor, noise: torch.Tensor | None = None,
-               seed: int | None = None) -> LayoutPacked:
+               seed: int | None = None, view: tuple[int, ...] | None = None) -> LayoutPacked:
         """Args: x (M, T, F) or (N, H, W, C) floating; noise: optional uniforms shaped like the
         body's stats view ((M, T', F) for `tok`, (M, F, T') for `chan`, T' the body's tokens);
         seed: None draws the noise from torch's default generators; an integer in [0, 2**63)
         draws it from private generators seeded with it, torch's own left untouched (the
         compiled graphs' per-step seed, `graph_ops.layout_encode`). On the fused CPU path that
-        gives the bytes `torch.manual_seed(seed)` before a seedless call gives."""
+        gives the bytes `torch.manual_seed(seed)` before a seedless call gives;
+        view: None, or the shape to encode x as, the bytes of `encode(x.reshape(view))`
+        (attention's (N, heads, T, d) as (N * heads, T, d): the fused kernels read it in
+        place, where the reshape would copy a view of a qkv projection)."""
+        shape = x.shape if view is None else torch.Size(view)
+        if shape.numel() != x.numel():
+            raise ValueError(f"view: expected a shape of x's {x.numel()} elements, got "
+                             f"{tuple(shape)}")
         cpu_gen, device_gen = _generators(seed, x.device)
         if not self._fused(x):
-            return self._encode_torch(x, noise, device_gen)
+            return self._encode_torch(x.reshape(shape), noise, device_gen)
         d = self.division
-        plan = self._geometry(x.shape)
+        plan = self._geometry(shape)
         geom, head = plan.geom, plan.head
         _check_noise(noise, geom.quant_shape)
+        if head and x.shape != shape:
+            x = x.reshape(shape)
         head_packed = (kernels.division_encode(x[:, :head], d.block, d.bits,
                                                seed=kernels._seed(None, cpu_gen),
                                                backend=d._kernels) if head else None)
@@ -214,7 +232,7 @@ class TokenLayout(Codec):
                                                 kernels._seed(noise, cpu_gen))
         quant = QuantPacked(lo, step, codes, plan.quant_shape, torch.float32, d.bits)
         return LayoutPacked(LfcPacked(lfc, plan.view, torch.float32, plan.block), quant,
-                            head_packed, x.shape, x.dtype)
+                            head_packed, shape, x.dtype)
 
     def _encode_torch(self, x: torch.Tensor, noise: torch.Tensor | None,
                       generator: torch.Generator | None) -> LayoutPacked:

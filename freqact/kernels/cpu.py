@@ -451,12 +451,19 @@ class TokenGeometry:
 
 
 @functools.lru_cache(maxsize=1024, typed=True)  # a few shapes per model; values checked once
-def _token_args(geom: TokenGeometry, bits: int, strides=(0, 0, 0, 0), out_stride: int = 0):
+def _token_args(geom: TokenGeometry, bits: int, x_strides=(0, 1, 0, 0, 0, 0),
+                out_stride: int = 0):
     """The C array of cpu_division.c's T_* enum, every value range-checked.
+
+    Args:
+        x_strides: how the encode reads x: (stride of a group of sequences, sequences per group,
+            stride of a sequence in its group, then of a token row, a token, a feature).
+        out_stride: the decode's output stride per sequence.
 
     Besides int64 range: bits in {1, 2, 4, 8} (the codes' row bytes follow from it), sizes and
     extents positive, and every block's lfc index inside geom.lfc_shape (the C code indexes the
-    lfc with lfc_strides), so an inconsistent TokenGeometry is refused, never written past.
+    lfc with lfc_strides), so an inconsistent TokenGeometry is refused, never written past; the
+    sequences per group (the C code divides by it) positive and dividing M.
     """
     bits = check_bits(bits)
     m, h, w, f = geom.panel
@@ -465,13 +472,16 @@ def _token_args(geom: TokenGeometry, bits: int, strides=(0, 0, 0, 0), out_stride
     if (min(h, w, f, *geom.extents) < 1 or m < 0 or geom.lfc_shape[0] != m
             or min(geom.lfc_strides) < 0 or last >= per_sequence):
         raise ValueError(f"geom: inconsistent token geometry {geom}")
+    if len(x_strides) != 6 or x_strides[1] < 1 or m % x_strides[1]:
+        raise ValueError(f"x: expected sequences in groups of a size dividing {m}, got strides "
+                         f"{x_strides}")
     codes = _token_parts(geom, bits)[3][1]
     _c_int64("x.numel()", math.prod(geom.panel))
     _c_int64("codes", math.prod(codes))
     _check_stream_length("x (tokens per sequence for chan stats, features for tok)",
                    geom.quant_shape[2])
     values = (*geom.panel, *geom.extents, *geom.counts, *geom.lfc_strides, int(geom.chan),
-              codes[2], *strides, out_stride)
+              codes[2], *x_strides, out_stride)
     return (ctypes.c_int64 * len(values))(*(_c_int64("token geometry", v) for v in values))
 
 
@@ -488,7 +498,10 @@ def token_encode(x: torch.Tensor, geom: TokenGeometry, bits: int, noise: torch.T
     """Encode a token tensor in one pass per sequence (block means, residual, quant maps).
 
     Args:
-        x: float32 CPU tensor of shape geom.panel, any strides (read in place).
+        x: float32 CPU tensor of shape geom.panel (M, H, W, F), or (A, B, H, W, F) with A * B
+            = M (sequence m is x[m // B, m % B]: attention's (N, heads, T, d) views of a qkv
+            projection, whose N * heads sequences no single stride reaches); any strides (read
+            in place).
         geom: the layout's sizes.
         bits: Q in {1, 2, 4, 8}.
         noise: float32 uniforms of geom.quant_shape, or None to draw from `seed` (the stream of
@@ -500,13 +513,19 @@ def token_encode(x: torch.Tensor, geom: TokenGeometry, bits: int, noise: torch.T
         (*quant_shape[:2], ceil(quant_shape[2] * bits / 8)).
     """
     lib = _lib()
-    if x.dtype != torch.float32 or x.shape != geom.panel or x.device.type != "cpu":
-        raise ValueError(f"x: expected float32 of shape {geom.panel} on the CPU, got {x.dtype} "
+    grouped = x.dim() == 5 and x.shape[0] * x.shape[1] == geom.panel[0] and (
+        x.shape[2:] == geom.panel[1:])
+    if x.dtype != torch.float32 or not (grouped or x.shape == geom.panel) or (
+            x.device.type != "cpu"):
+        raise ValueError(f"x: expected float32 of shape {geom.panel} (or (A, B, *{geom.panel[1:]}"
+                         f") with A * B = {geom.panel[0]}) on the CPU, got {x.dtype} "
                          f"{tuple(x.shape)} on {x.device}")
     if noise is not None and (noise.shape != geom.quant_shape or noise.device.type != "cpu"):
         raise ValueError(f"noise: expected shape {geom.quant_shape} on the CPU, got "
                          f"{tuple(noise.shape)} on {noise.device}")
-    args = _token_args(geom, bits, x.stride())
+    strides = x.stride()
+    args = _token_args(geom, bits, (strides[0], x.shape[1], *strides[1:]) if grouped
+                       else (strides[0], 1, 0, *strides[1:]))
     # sizes as separate arguments: torch parses them faster than a tuple (2 vs 3.6 us a call)
     lfc, lo, step, codes = (torch.empty(*shape, dtype=dtype)
                             for dtype, shape in _token_parts(geom, bits))
@@ -547,7 +566,7 @@ def token_decode(lfc: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes:
             or (m > 1 and out.stride(0) < h * w * f)):  # overlapping panels would race
         raise ValueError(f"out: expected float32 (M, >= {h * w}, {f}) disjoint CPU panels, got "
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
-    args = _token_args(geom, bits, (0, 0, 0, 0), out.stride(0))
+    args = _token_args(geom, bits, out_stride=out.stride(0))
     parts = [t.contiguous() for t in parts]
     status = lib.freqact_token_decode(args, bits, *(t.data_ptr() for t in parts), out.data_ptr(),
                                       _threads())

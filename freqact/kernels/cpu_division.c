@@ -1154,7 +1154,14 @@ void freqact_unpack_mask(int64_t n, const uint8_t *packed, float off, float on, 
  * separate mean pass. At most one OpenMP thread per sequence. */
 
 enum { T_M, T_H, T_W, T_F, T_BH, T_BW, T_BF, T_NBH, T_NBW, T_NBF, T_LH, T_LW, T_LF, T_STATS,
-       T_CODE_BYTES, T_SM, T_SH, T_SW, T_SF, T_OUT_STRIDE, T_LEN };
+       T_CODE_BYTES, T_SM, T_MI, T_SMI, T_SH, T_SW, T_SF, T_OUT_STRIDE, T_LEN };
+
+/* Where sequence m of the encode's input x starts: the sequences are T_M / T_MI groups (stride
+ * T_SM) of T_MI sequences each (stride T_SMI), as attention's (N, heads, T, d) views of a qkv
+ * projection hold them (N * heads sequences read in place, whose strides no single one gives). */
+static inline int64_t sequence_offset(const int64_t *g, int64_t m) {
+    return m / g[T_MI] * g[T_SM] + m % g[T_MI] * g[T_SMI];
+}
 
 /* The OpenMP team for M sequences: no more threads than sequences (an idle thread's wake-up
  * and join cost a small call more than its share), at least one. */
@@ -1661,10 +1668,10 @@ static void quantize_panel(const int64_t *g, int64_t m, int bits, const float *p
     }
 }
 
-/* Encode a token tensor x (float32, strides T_SM..T_SF) described by geom (T_LEN values) into
- * lfc (bf16, M x nblocks), lo, step (bf16, one per quant map) and codes (uint8, code bytes per
- * quant map); noise: float32 in the quant view's order, or NULL to draw from the seed.
- * Returns 0, or -1 if scratch memory ran out. */
+/* Encode a token tensor x (float32: sequence m at sequence_offset, its tokens and features at
+ * strides T_SH..T_SF) described by geom (T_LEN values) into lfc (bf16, M x nblocks), lo, step
+ * (bf16, one per quant map) and codes (uint8, code bytes per quant map); noise: float32 in the
+ * quant view's order, or NULL to draw from the seed. Returns 0, or -1 if scratch memory ran out. */
 int freqact_token_encode(const int64_t *geom, int bits, const float *x, const float *noise,
                          uint64_t seed, uint16_t *lfc, uint16_t *lo, uint16_t *step,
                          uint8_t *codes, int threads) {
@@ -1685,8 +1692,8 @@ int freqact_token_encode(const int64_t *geom, int bits, const float *x, const fl
 #pragma omp for schedule(dynamic, 1)  /* a descheduled thread holds up no fixed share */
             for (int64_t m = 0; m < M; m++) {
                 const float *src = ht;  /* a contiguous panel is read in place */
-                if (dense) src = x + m * geom[T_SM];
-                else gather_panel(geom, x + m * geom[T_SM], ht); /* ht is free until quantize */
+                if (dense) src = x + sequence_offset(geom, m);
+                else gather_panel(geom, x + sequence_offset(geom, m), ht); /* free until quantize */
                 panel_residual(geom, src, p, lfc + m * nblocks, acc, row);
                 quantize_panel(geom, m, bits, p, ht, noise, seed, lo, step, codes);
             }

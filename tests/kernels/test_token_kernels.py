@@ -137,6 +137,61 @@ def test_own_noise_is_the_quant_kernels_stream_and_thread_independent(blocks, st
         assert torch.equal(bytes_of(getattr(results[0].quant, part)), bytes_of(getattr(quant, part)))
 
 
+def _attention_views(n, t, heads, d, gen):
+    """q, k and v of a qkv projection as attention reads them: (N, heads, T, d) views of one
+    (N, T, 3 * heads * d) output (ViT's `view(n, t, 3, heads, d).permute(2, 0, 3, 1, 4)`), and
+    of a (3, N, T, heads * d) stack transposed (GPT's per-projection `view(...).transpose(1, 2)`)."""
+    qkv = dyadic((n, t, 3 * heads * d), torch.float32, gen)
+    vit = qkv.view(n, t, 3, heads, d).permute(2, 0, 3, 1, 4)
+    gpt = dyadic((3, n, t, heads * d), torch.float32, gen).view(3, n, t, heads, d).transpose(2, 3)
+    return [*vit, *gpt]
+
+
+@pytest.mark.parametrize(("blocks", "stats"), LAYOUTS)
+def test_attention_views_are_read_in_place_as_their_sequences(blocks, stats, monkeypatch):
+    """encode(x, view=(N * heads, T, d)) of a (N, heads, T, d) view gives the bytes of
+    encode(x.reshape(view)) (given noise and own noise, at any thread count), and the fused
+    kernel reads the view in place (no copy) where its blocks run on sequences."""
+    gen = torch.Generator().manual_seed(11)
+    ref, fused = _pair(blocks, stats)
+    read = []
+    token_encode = cpu.token_encode
+    monkeypatch.setattr(cpu, "token_encode", lambda x, *a: read.append(x) or token_encode(x, *a))
+    for n, t, heads, d in ((2, 65, 3, 16), (3, 17, 2, 9), (1, 16, 4, 8)):
+        for x in _attention_views(n, t, heads, d, gen):
+            view = (n * heads, t, d)
+            noise = _noise(fused, view, gen)
+            want = ref.encode(x.reshape(view), noise)
+            read.clear()
+            got = fused.encode(x, noise, view=view)
+            _assert_same(got, want)
+            assert got.shape == view and torch.equal(fused.decode(got), ref.decode(got))
+            in_place = fused._geometry(view).geom.panel[1] == 1  # not a 2D grid of tokens
+            assert (read[0].data_ptr() == x.data_ptr() and read[0].dim() == 5) == in_place
+            own = at_thread_counts(lambda x=x, view=view: fused.encode(x, view=view), seed=3)
+            copied = at_thread_counts(lambda x=x, view=view: fused.encode(x.reshape(view)),
+                                      counts=(2,), seed=3)
+            for packed in (*own, *copied):
+                _assert_same(packed, own[0])
+    with pytest.raises(ValueError, match=r"^view: expected a shape of x's 512 elements"):
+        fused.encode(x, view=(n * heads, t, d + 1))
+
+
+def test_grouped_sequences_are_checked_before_c():
+    layout = TokenLayout(codecs.get("division", block=8, bits=2), "tile", "chan")
+    geom = layout._geometry((6, 16, 8)).geom
+    x = torch.randn(2, 3, 1, 16, 8)
+    assert len(cpu.token_encode(x, geom, 2, None, 0)) == 4  # 2 groups of 3 sequences
+    for bad in (torch.randn(2, 2, 1, 16, 8), torch.randn(2, 3, 1, 16, 4),
+                torch.randn(6, 1, 1, 1, 16, 8)):
+        with pytest.raises(ValueError, match=r"^x: expected float32 of shape \(6, 1, 16, 8\)"):
+            cpu.token_encode(bad, geom, 2, None, 0)
+    # the group size is a divisor the C code divides by: refused unless it divides M
+    for strides in ((0, 0, 0, 0, 0, 1), (0, 4, 0, 0, 0, 1), (0, 1, 0, 0, 1)):
+        with pytest.raises(ValueError, match="^x: expected sequences in groups"):
+            cpu._token_args.__wrapped__(geom, 2, strides)
+
+
 def test_bad_noise_and_mismatched_parts_are_refused():
     _, fused = _pair("tile", "chan")
     x = torch.randn(2, 20, 16)
