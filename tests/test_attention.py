@@ -11,6 +11,7 @@ import freqact
 from freqact import codecs, models
 from freqact.engine import attention, sdpa_math
 from freqact.engine.layouts import TokenLayout, packed_nbytes
+from freqact.kernels import cpu
 
 
 class Attend(nn.Module):
@@ -138,6 +139,38 @@ def test_bytes_are_the_packed_forms_and_nothing_for_out_and_logsumexp():
     assert routes["recomputed"]["saved_bytes"] == 0
     # plain PyTorch would hold q, k, v, out (fp32) and the (N, heads, T) logsumexp
     assert meter.exact_bytes == 4 * q.numel() * 4 + 2 * 3 * 48 * 4
+
+
+class AttendQkv(nn.Module):
+    """Attention on the (N, 2 heads, T, 16) q, k, v views of one qkv projection (ViT's split)."""
+
+    def __init__(self, mask: torch.Tensor | None = None):
+        super().__init__()
+        self.qkv, self.mask = nn.Linear(32, 3 * 32), mask
+
+    def forward(self, x):
+        n, t, _ = x.shape
+        q, k, v = self.qkv(x).view(n, t, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+
+
+@pytest.mark.skipif(not cpu.available(), reason=f"C kernels unavailable: {cpu.unavailable_reason()}")
+@pytest.mark.parametrize("math", [False, True])
+def test_qkv_views_reach_the_kernel_uncopied(math, monkeypatch):
+    # q, k, v are strided views of the projection's output: the fused encode reads them in
+    # place as (N * heads, T, d) sequences (a 5-D view of that storage), flash and math paths alike
+    torch.manual_seed(0)
+    model = AttendQkv(torch.randn(2, 64, 64) if math else None)
+    outputs = []
+    model.qkv.register_forward_hook(lambda module, args, out: outputs.append(out))
+    read, encode = [], cpu.token_encode
+    monkeypatch.setattr(cpu, "token_encode", lambda t, *a: read.append(t) or encode(t, *a))
+    with freqact.compress(model, "division") as meter:
+        model(torch.randn(4, 64, 32)).sum().backward()
+    assert meter.by_route()["division feat/chan"]["saved_bytes"] > 0
+    qkv = outputs[0].untyped_storage().data_ptr()
+    attention = [t for t in read if t.untyped_storage().data_ptr() == qkv]
+    assert len(attention) == 3 and all(t.shape == (4, 2, 1, 64, 16) for t in attention)
 
 
 @pytest.mark.parametrize("case", ["small", "same-qk", "math-q-without-grad"])

@@ -341,10 +341,13 @@ def test_layout_ops_opcheck_and_eager_bytes():
 
     x = torch.randn(3, 13, 24)
     seed = torch.tensor(7)
+    # q of a qkv projection, (N, heads, T, d) strided, read as (N * heads, T, d) in place
+    q = torch.randn(3, 13, 3, 2, 12).permute(2, 0, 3, 1, 4)[0]
     for layout in graph_ops.LAYOUTS:
-        _opcheck(OPS.layout_encode.default, (x, layout, 4, 2, seed, BACKEND))
+        _opcheck(OPS.layout_encode.default, (x, list(x.shape), layout, 4, 2, seed, BACKEND))
+        _opcheck(OPS.layout_encode.default, (q, [6, 13, 12], layout, 4, 2, seed, BACKEND))
         state = torch.get_rng_state()
-        parts = OPS.layout_encode(x, layout, 4, 2, seed, BACKEND)
+        parts = OPS.layout_encode(x, list(x.shape), layout, 4, 2, seed, BACKEND)
         assert torch.equal(torch.get_rng_state(), state)  # torch's generator neither read nor reseeded
         codec = TokenLayout(freqact.codecs.get("division", block=4, bits=2, backend=BACKEND),
                             *layout.split("/"))
@@ -357,7 +360,9 @@ def test_layout_ops_opcheck_and_eager_bytes():
         out = OPS.layout_decode(*parts, list(x.shape), x.dtype, layout, 4, 2, BACKEND)
         assert torch.equal(out, codec.decode(want))
     with pytest.raises(ValueError, match="layout"):
-        OPS.layout_encode(x, "grid64/chan", 4, 2, seed, BACKEND)
+        OPS.layout_encode(x, list(x.shape), "grid64/chan", 4, 2, seed, BACKEND)
+    with pytest.raises(ValueError, match="^view: expected a"):
+        OPS.layout_encode(q, [3, 2, 13, 12], "tile/chan", 4, 2, seed, BACKEND)
 
 
 class _LayoutSpy:
@@ -390,6 +395,7 @@ def test_compiled_division_vit_token_layouts(monkeypatch):
     # (N * T, F) views, GELU's input as an addmm output, LayerNorm's normalised output and
     # statistics, SDPA's q/k/v/out/logsumexp.
     from freqact.engine import routes
+    from freqact.engine.layouts import TokenLayout
 
     torch.manual_seed(0)
     model = freqact.models.get("vit", dim=32, depth=1, heads=2)
@@ -415,6 +421,11 @@ def test_compiled_division_vit_token_layouts(monkeypatch):
     assert len(attention) == 3
     assert all(e[3].shape == (16, 65, 16) and e[4] == (8, 2, 65, 16) and not e[5]
                for e in attention)
+    feat_chan = TokenLayout(freqact.codecs.get("division", block=8, bits=2), "feat", "chan")
+    for _, xs, seed, packed, *_ in attention:  # the eager encode's bytes, given the graph's seed
+        want = feat_chan.encode(xs, seed=seed)
+        assert torch.equal(packed.quant.codes, want.quant.codes)
+        assert torch.equal(packed.lfc.lfc, want.lfc.lfc)
     # the qkv Linear's input: the eager route's codec and view, the same bytes given the noise
     block = model.blocks[0]
     tokens = torch.cat([model.cls_token.expand(8, -1, -1),

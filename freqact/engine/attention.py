@@ -213,8 +213,8 @@ class SdpaInput(TokenLayout):
         self.call, self.role = call, role
 
     def encode(self, x: torch.Tensor, noise: torch.Tensor | None = None,
-               view: tuple[int, ...] | None = None) -> LayoutPacked:
-        packed = super().encode(x, noise, view=view)
+               seed: int | None = None, view: tuple[int, ...] | None = None) -> LayoutPacked:
+        packed = super().encode(x, noise, seed, view)
         self.call.store(self.role, packed)
         return packed
 

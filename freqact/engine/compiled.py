@@ -164,11 +164,8 @@ def _traced_pack(spec: GraphCodec, t: torch.Tensor, context: dict | None):
     # A tensor seed, drawn in the graph: each step encodes with fresh noise.
     seed = torch.randint(2**62, (), dtype=torch.int64)
     if chosen.layout:  # a token view in an eager route's layout
-        # attention's (N, heads, T, d) is read in place as (N * heads, T, d), not copied
-        x = t if t.dim() == 4 and tuple(chosen.view) == (t.shape[0] * t.shape[1],
-                                                          *t.shape[2:]) else t.reshape(chosen.view)
-        parts = torch.ops.freqact.layout_encode(x, chosen.layout, spec.block, spec.bits, seed,
-                                                spec.backend)
+        parts = torch.ops.freqact.layout_encode(t, list(chosen.view), chosen.layout, spec.block,
+                                                spec.bits, seed, spec.backend)
         return (*parts, list(chosen.view), t.dtype, chosen.layout, tuple(t.shape)), chosen.name
     parts = torch.ops.freqact.division_encode(t, spec.block, spec.bits, None, seed,
                                               spec.backend)

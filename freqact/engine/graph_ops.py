@@ -1,7 +1,7 @@
 """The token layouts (`layouts.TokenLayout`) as torch.library custom ops, for compiled graphs.
 
-`torch.ops.freqact.layout_encode` / `layout_decode` run `TokenLayout.encode` / `decode` on a token
-view (M, T, F) in the `feat` or `tile` blocks with `tok` or `chan` statistics (the layouts the
+`torch.ops.freqact.layout_encode` / `layout_decode` run `TokenLayout.encode` / `decode` on a saved
+tensor read as its token view (M, T, F) in the `feat` or `tile` blocks with `tok` or `chan` statistics (the layouts the
 eager routes give Linear and activation inputs, norm inputs and SDPA's v/out), so a compiled
 graph holds exactly the bytes eager training holds for the same tensor. They take and return
 plain tensors: (lfc, lo, step, codes), the parts of `LayoutPacked` without a head.
@@ -16,7 +16,6 @@ seeding of each lazily initialised device backend with a stack trace).
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -33,6 +32,8 @@ def _views(shape: tuple[int, ...], layout: str) -> tuple[tuple[int, ...], tuple[
     """(block view, stats view) shapes of a (M, T, F) token view, as `TokenLayout` reads it."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    if len(shape) != 3:
+        raise ValueError(f"view: expected a (M, T, F) token view, got {shape}")
     m, t, f = shape
     blocks, stats = layout.split("/")
     return ((m, 1, t, f) if blocks == "tile" else (m, t, f)), (
@@ -50,14 +51,15 @@ def layout_codec(layout: str, block: int, bits: int, backend: str = "auto"):
 
 
 @torch.library.custom_op("freqact::layout_encode", mutates_args=())
-def layout_encode(x: torch.Tensor, layout: str, block: int, bits: int, seed: torch.Tensor,
-                  backend: str = "auto"
+def layout_encode(x: torch.Tensor, view: list[int], layout: str, block: int, bits: int,
+                  seed: torch.Tensor, backend: str = "auto"
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`TokenLayout(division, *layout.split("/")).encode` as an op.
+    """`TokenLayout(division, *layout.split("/")).encode(x, view=view)` as an op.
 
     Args:
-        x: floating (M, T, F) token view, or attention's (N, heads, T, d) read as (N * heads,
-            T, d) (in place: a view of the qkv projection is not copied).
+        x: the floating saved tensor, any shape of view's elements.
+        view: the (M, T, F) token view to encode x as (attention's (N, heads, T, d) views of a
+            qkv projection are read in place as (N * heads, T, d), not copied).
         layout: one of LAYOUTS; block, bits: division's B and Q; backend as in
             `freqact.kernels.division_encode`.
         seed: int64 scalar tensor: `TokenLayout.encode`'s seed (modulo 2**63).
@@ -66,22 +68,15 @@ def layout_encode(x: torch.Tensor, layout: str, block: int, bits: int, seed: tor
         (lfc, lo, step, codes): bf16 block means of the block view, bf16 (M, S) min and step
         and uint8 (M, S, nbytes) codes of the stats view (S = F for `chan`, T for `tok`).
     """
-    view = _sequences(x)
-    _views(view, layout)  # checks layout
-    p = layout_codec(layout, block, bits, backend).encode(x, seed=int(seed) % 2**63, view=view)
+    _views(tuple(view), layout)  # checks layout and the view's rank
+    p = layout_codec(layout, block, bits, backend).encode(x, seed=int(seed) % 2**63,
+                                                          view=tuple(view))
     return p.lfc.lfc, p.quant.lo, p.quant.step, p.quant.codes
 
 
-def _sequences(x: torch.Tensor) -> tuple[int, int, int]:
-    """The (M, T, F) view `layout_encode` reads x as: every dim before the last two a sequence."""
-    if x.dim() not in (3, 4):
-        raise ValueError(f"x: expected (M, T, F) or (N, heads, T, d), got shape {tuple(x.shape)}")
-    return math.prod(x.shape[:-2]), x.shape[-2], x.shape[-1]
-
-
 @layout_encode.register_fake
-def _layout_encode_fake(x, layout, block, bits, seed, backend="auto"):
-    blocks, stats = _views(_sequences(x), layout)
+def _layout_encode_fake(x, view, layout, block, bits, seed, backend="auto"):
+    blocks, stats = _views(tuple(view), layout)
     lfc, quant = geometry(blocks, block), geometry(stats, None)
     return (x.new_empty(lfc.lfc_shape, dtype=torch.bfloat16),
             x.new_empty(quant.stat_shape, dtype=torch.bfloat16),

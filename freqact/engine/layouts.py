@@ -196,8 +196,8 @@ class TokenLayout(Codec):
         if body.shape == geom.panel:
             return body
         m, h = geom.panel[:2]
-        if (body.dim() == 4 and body.shape[0] != m and body.shape[0] * body.shape[1] == m
-                and h == 1 and body.shape[2:] == geom.panel[2:]):
+        if (body.dim() == 4 and body.shape[0] * body.shape[1] == m and h == 1
+                and body.shape[2:] == geom.panel[2:]):
             return body.unsqueeze(2)
         return body.reshape(geom.panel)
 

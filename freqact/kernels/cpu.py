@@ -457,7 +457,9 @@ def _token_args(geom: TokenGeometry, bits: int, x_strides=(0, 1, 0, 0, 0, 0),
 
     Args:
         x_strides: how the encode reads x: (stride of a group of sequences, sequences per group,
-            stride of a sequence in its group, then of a token row, a token, a feature).
+            stride of a sequence in its group, then of a token row, a token, a feature). Only
+            the group size is checked here: `token_encode` takes the strides from x itself,
+            whose shape it has checked against geom, so every element read is x's own.
         out_stride: the decode's output stride per sequence.
 
     Besides int64 range: bits in {1, 2, 4, 8} (the codes' row bytes follow from it), sizes and
