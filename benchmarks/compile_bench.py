@@ -11,7 +11,15 @@ In one run, for CIFAR ResNet-18 and the small ViT (`freqact.models.get("vit")`),
    compiled+division, eager+division (the uncompiled model in compress) and "compiled
    layout-off" (compiled normal training with Inductor's layout optimization off, as division
    compiles the graphs: it splits compiled+division's cost into the layout's and the codec's)
-   (goal on the CPU: compiled+division <= 1.15x compiled).
+   (goal on the CPU: compiled+division <= 1.15x compiled);
+3. with `--alone N`, the same step as a user's training runs it: compiled and compiled+division
+   each in a fresh process of its own (compile, 3 warm-up steps, then the median of 10 timed
+   steps and of their minor page faults), N rounds of one process per mode, their order
+   alternating; the ratio of each round's pair, median and range. Taking turns in one process
+   keeps the allocator's heap populated by the other modes; alone, glibc's malloc hands the
+   freed activations back to the system after each step and the next step faults them in again
+   (compiled ViT b64: ~80k faults a step; `MALLOC_TRIM_THRESHOLD_` and `MALLOC_MMAP_THRESHOLD_`,
+   inherited by the processes and recorded in the JSON, change that).
 
 Prints a table and writes benchmarks/results/compile-cpu.json (`--out` another file).
 
@@ -19,6 +27,7 @@ Prints a table and writes benchmarks/results/compile-cpu.json (`--out` another f
     python -m benchmarks.compile_bench --models resnet18
     python -m benchmarks.compile_bench --repeats 3 --out X.json   # a rerun beside the table's
     python -m benchmarks.compile_bench --profile          # per-op breakdown of the extra time
+    python -m benchmarks.compile_bench --alone 3          # + each mode in fresh processes
 """
 from __future__ import annotations
 
@@ -26,8 +35,11 @@ import argparse
 import contextlib
 import copy
 import json
+import os
+import resource
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -127,6 +139,42 @@ def step_times(name: str, batch: int, repeats: int) -> dict:
     return {mode: statistics.median(seconds) for mode, seconds in times.items()}
 
 
+ALONE_MODES = ("compiled", "compiled+division")
+ALONE_STEPS = 10
+
+
+def step_alone(name: str, batch: int, mode: str, steps: int = ALONE_STEPS) -> dict:
+    """One mode's training step in this process alone: median seconds and minor page faults per
+    step over `steps` steps, after compiling and 3 warm-up steps."""
+    model, compiled, x, y = _setup(name, batch)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    seconds, faults = [], []
+    for i in range(3 + steps):
+        faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        _loss(model, compiled, x, y, mode).backward()
+        optimizer.step()
+        if i >= 3:
+            seconds.append(time.perf_counter() - start)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
+    return {"model": name, "mode": mode, "median_s": statistics.median(seconds),
+            "min_s": min(seconds), "page_faults": statistics.median(faults)}
+
+
+def steps_alone(name: str, batch: int, rounds: int) -> dict:
+    """`rounds` pairs of fresh processes (`step_alone`, the modes' order alternating): each
+    process's result, and the ratio compiled+division / compiled of each pair's medians."""
+    runs, ratios = [], []
+    for round_ in range(rounds):
+        order = ALONE_MODES if round_ % 2 == 0 else ALONE_MODES[::-1]
+        pair = {mode: json_from_fresh_process(
+            "benchmarks.compile_bench", ["--step-case", name, str(batch), mode]) for mode in order}
+        runs += [pair[mode] for mode in order]
+        ratios.append(pair["compiled+division"]["median_s"] / pair["compiled"]["median_s"])
+    return {"runs": runs, "ratios": ratios, "ratio_median": statistics.median(ratios)}
+
+
 def profile_breakdown(name: str, batch: int, steps: int = 3, rounds: int = 2) -> list[list]:
     """Where compiled+division's extra step time goes: per op (torch.profiler self CPU time, the
     Inductor-generated kernels and their Python counted under "compiled graph"), ms per training
@@ -175,11 +223,21 @@ def main(argv: list[str] | None = None) -> int:
                              "(torch.profiler), instead of the memory and step tables")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "compile-cpu.json",
                         help="results JSON (default results/compile-cpu.json)")
+    parser.add_argument("--alone", type=int, default=0, metavar="N",
+                        help="also time each mode alone in fresh processes, N rounds (default 0)")
+    parser.add_argument("--step-case", nargs=3, metavar=("MODEL", "BATCH", "MODE"),
+                        help=argparse.SUPPRESS)  # internal: one mode's steps alone, JSON on stdout
     parser.add_argument("--memory-case", nargs=3, metavar=("MODEL", "BATCH", "MODE"),
                         help=argparse.SUPPRESS)  # internal: one memory case, JSON on stdout
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats: expected an integer >= 1, got {args.repeats}")
+    if args.alone < 0:
+        parser.error(f"--alone: expected an integer >= 0, got {args.alone}")
+    if args.step_case:
+        name, batch, mode = args.step_case
+        print(json.dumps(step_alone(name, int(batch), mode)))
+        return 0
     if args.memory_case:
         name, batch, mode = args.memory_case
         print(json.dumps(measure_memory(name, int(batch), mode)))
@@ -210,10 +268,26 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([name, mode, seconds, seconds / by_mode["compiled"],
                          seconds / by_mode["eager+division"]])
     print_table(["step b64", "mode", "median s", "vs compiled", "vs eager+division"], rows)
+    alone = {name: steps_alone(name, batch, args.alone) for name, batch in cases} if args.alone else {}
+    if alone:
+        print()
+        print_table(["alone b64", "mode", "median s (per process)", "page faults a step",
+                     "compiled+division / compiled (median, range)"],
+                    [[name, mode, " ".join(f"{r['median_s']:.3f}" for r in result["runs"]
+                                           if r["mode"] == mode),
+                      statistics.median(r["page_faults"] for r in result["runs"]
+                                        if r["mode"] == mode),
+                      f"{result['ratio_median']:.3f} ({min(result['ratios']):.3f}-"
+                      f"{max(result['ratios']):.3f})" if mode == "compiled+division" else ""]
+                     for name, result in alone.items() for mode in ALONE_MODES])
 
+    malloc_env = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     payload = {"settings": {"division": DIVISION, "repeats": args.repeats,
-                            "malloc_mmap_threshold": 65536, "torch": torch.__version__},
-               "models": args.models, "memory": memory, "step_seconds": steps}
+                            "malloc_mmap_threshold": 65536, "torch": torch.__version__,
+                            "alone_rounds": args.alone, "alone_steps": ALONE_STEPS,
+                            "step_malloc_env": malloc_env},
+               "models": args.models, "memory": memory, "step_seconds": steps,
+               "steps_alone": alone}
     path = write_results(args.out.stem, payload, device="cpu", directory=args.out.parent)
     print(f"wrote {path}")
     return 0
