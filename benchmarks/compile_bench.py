@@ -13,12 +13,12 @@ In one run, for CIFAR ResNet-18 and the small ViT (`freqact.models.get("vit")`),
    compiles the graphs: it splits compiled+division's cost into the layout's and the codec's)
    (goal on the CPU: compiled+division <= 1.15x compiled);
 3. with `--alone N`, the same step as a user's training runs it: compiled and compiled+division
-   each in a fresh process of its own (compile, 3 warm-up steps, then the median of 10 timed
-   steps and of their minor page faults), N rounds of one process per mode, their order
+   each in a fresh process of its own (3 warm-up steps, the first compiling, then the median of
+   10 timed steps and of their minor page faults), N rounds of one process per mode, their order
    alternating; the ratio of each round's pair, median and range. Taking turns in one process
    keeps the allocator's heap populated by the other modes; alone, glibc's malloc hands the
    freed activations back to the system after each step and the next step faults them in again
-   (compiled ViT b64: ~80k faults a step; `MALLOC_TRIM_THRESHOLD_` and `MALLOC_MMAP_THRESHOLD_`,
+   (compiled ViT b64: 12-64k faults a step; `MALLOC_TRIM_THRESHOLD_` and `MALLOC_MMAP_THRESHOLD_`,
    inherited by the processes and recorded in the JSON, change that).
 
 Prints a table and writes benchmarks/results/compile-cpu.json (`--out` another file).
@@ -145,7 +145,7 @@ ALONE_STEPS = 10
 
 def step_alone(name: str, batch: int, mode: str, steps: int = ALONE_STEPS) -> dict:
     """One mode's training step in this process alone: median seconds and minor page faults per
-    step over `steps` steps, after compiling and 3 warm-up steps."""
+    step over `steps` steps, after 3 warm-up steps (the first compiles)."""
     model, compiled, x, y = _setup(name, batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     seconds, faults = [], []
@@ -234,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats: expected an integer >= 1, got {args.repeats}")
     if args.alone < 0:
         parser.error(f"--alone: expected an integer >= 0, got {args.alone}")
+    if args.alone and args.profile:
+        parser.error("--alone: times the steps, which --profile does not; give one of them")
     if args.step_case:
         name, batch, mode = args.step_case
         print(json.dumps(step_alone(name, int(batch), mode)))

@@ -1,4 +1,4 @@
-"""benchmarks/compile_bench.py: the layout-off mode compiles graphs of its own."""
+"""benchmarks/compile_bench.py: the layout-off twin, the profile, the results file, the steps alone."""
 import torch
 from torch import nn
 from torch._dynamo.utils import counters
@@ -61,27 +61,44 @@ def _tiny(name, batch):
     return model, torch.compile(model), torch.randn(batch, 3, 8, 8), torch.randint(0, 10, (batch,))
 
 
-def test_steps_alone_pairs_fresh_processes_in_alternating_order(monkeypatch):
+def test_step_alone_times_and_counts_faults_of_the_timed_steps_only(monkeypatch):
+    import types
+
     from benchmarks import compile_bench
 
     monkeypatch.setattr(compile_bench, "_setup", _tiny)
-    calls = []
+    # scripted clocks, read at each step's start and, for the 3 timed steps after the 3 warm-ups
+    # only, at its end: timed step i (3, 4, 5) takes i + 1 s and makes 10 * (i + 1) faults
+    ticks = iter([0.0] * 3 + [t for i in (3, 4, 5) for t in (100.0 * i, 100.0 * i + i + 1)])
+    faults = iter([0] * 3 + [f for i in (3, 4, 5) for f in (1000 * i, 1000 * i + 10 * (i + 1))])
+    # the module's own names replaced, not the time and resource modules (Inductor uses them)
+    monkeypatch.setattr(compile_bench, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    monkeypatch.setattr(compile_bench, "resource", types.SimpleNamespace(
+        RUSAGE_SELF=0, getrusage=lambda who: types.SimpleNamespace(ru_minflt=next(faults))))
+    result = compile_bench.step_alone("tiny", 2, "compiled", steps=3)
+    assert result == {"model": "tiny", "mode": "compiled", "median_s": 5.0, "min_s": 4.0,
+                      "page_faults": 50}
 
-    def fresh(module, args, env=None):  # one process per call: here the same code in-process
+
+def test_steps_alone_pairs_fresh_processes_in_alternating_order(monkeypatch):
+    from benchmarks import compile_bench
+
+    calls = []
+    seconds = iter([2.0, 2.2, 2.6, 2.0, 2.0, 3.0])  # per process, in call order
+
+    def fresh(module, args, env=None):  # one fresh process per call, faked
         assert module == "benchmarks.compile_bench" and args[0] == "--step-case"
-        name, batch, mode = args[1:]
-        calls.append(mode)
-        result = compile_bench.step_alone(name, int(batch), mode, steps=2)
-        # a known median per mode, so the ratio is checkable
-        return {**result, "median_s": 2.0 if mode == "compiled" else 3.0}
+        assert env is None  # the steps run in the environment given, not the memory cases'
+        calls.append(args[3])
+        return {"model": args[1], "mode": args[3], "median_s": next(seconds), "min_s": 1.0,
+                "page_faults": 0}
 
     monkeypatch.setattr(compile_bench, "json_from_fresh_process", fresh)
     result = compile_bench.steps_alone("tiny", 2, rounds=3)
     assert calls == ["compiled", "compiled+division", "compiled+division", "compiled",
                      "compiled", "compiled+division"]
-    assert result["ratios"] == [1.5] * 3 and result["ratio_median"] == 1.5
+    assert result["ratios"] == [1.1, 2.6 / 2.0, 1.5] and result["ratio_median"] == 2.6 / 2.0
     assert [r["mode"] for r in result["runs"]] == calls
-    assert all(r["page_faults"] >= 0 and r["min_s"] > 0 for r in result["runs"])
 
 
 def test_alone_rounds_are_checked_and_written(monkeypatch, tmp_path, capsys):
@@ -101,14 +118,17 @@ def test_alone_rounds_are_checked_and_written(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(compile_bench, "steps_alone", lambda name, batch, rounds: {
         "runs": [{"mode": m, "median_s": s, "page_faults": 5}
                  for m, s in (("compiled", 1.0), ("compiled+division", 1.2))] * rounds,
-        "ratios": [1.2] * rounds, "ratio_median": 1.2})
+        "ratios": [1.3, 1.1][:rounds], "ratio_median": 1.2})
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "123")
     out = tmp_path / "alone.json"
     assert compile_bench.main(["--models", "vit", "--alone", "2", "--out", str(out)]) == 0
     payload = json.loads(out.read_text())
     assert payload["steps_alone"]["vit"]["ratio_median"] == 1.2
     assert payload["settings"]["step_malloc_env"]["MALLOC_TRIM_THRESHOLD_"] == "123"
-    assert "1.200 (1.200-1.200)" in capsys.readouterr().out
+    assert "1.200 (1.100-1.300)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        compile_bench.main(["--alone", "1", "--profile"])
+    assert "--alone: times the steps" in capsys.readouterr().err
 
 
 def test_step_case_prints_one_process_result_as_json(monkeypatch, capsys):
