@@ -114,21 +114,28 @@ def layout_off_twin(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.M
     return twin, torch.compile(twin, options={"layout_optimization": False})
 
 
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def _train_step(model, compiled, optimizer, x, y, mode: str) -> None:
+    """One training step (forward, backward, SGD step) of `mode` (see `_loss`)."""
+    optimizer.zero_grad(set_to_none=True)
+    _loss(model, compiled, x, y, mode).backward()
+    optimizer.step()
+
+
 def step_times(name: str, batch: int, repeats: int) -> dict:
     """Median training-step seconds per mode; the modes take turns (one step each per round)."""
     model, compiled, x, y = _setup(name, batch)
     twin, compiled_twin = layout_off_twin(model)
     nets = {mode: (model, compiled) for mode in STEP_MODES}
     nets["compiled layout-off"] = (twin, compiled_twin)
-    optimizers = {id(m): torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-                  for m in (model, twin)}
+    optimizers = {id(m): _optimizer(m) for m in (model, twin)}
 
     def step(mode):
         net, compiled_net = nets[mode]
-        optimizer = optimizers[id(net)]
-        optimizer.zero_grad(set_to_none=True)
-        _loss(net, compiled_net, x, y, mode).backward()
-        optimizer.step()
+        _train_step(net, compiled_net, optimizers[id(net)], x, y, mode)
 
     for mode in STEP_MODES:  # compiles each mode's graphs before any timing
         step(mode)
@@ -140,22 +147,21 @@ def step_times(name: str, batch: int, repeats: int) -> dict:
 
 
 ALONE_MODES = ("compiled", "compiled+division")
+ALONE_WARMUP = 3  # untimed steps in each fresh process, the first compiling
 ALONE_STEPS = 10
 
 
 def step_alone(name: str, batch: int, mode: str, steps: int = ALONE_STEPS) -> dict:
     """One mode's training step in this process alone: median seconds and minor page faults per
-    step over `steps` steps, after 3 warm-up steps (the first compiles)."""
+    step over `steps` steps, after ALONE_WARMUP untimed ones (the first compiles)."""
     model, compiled, x, y = _setup(name, batch)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    optimizer = _optimizer(model)
     seconds, faults = [], []
-    for i in range(3 + steps):
+    for i in range(ALONE_WARMUP + steps):
         faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        _loss(model, compiled, x, y, mode).backward()
-        optimizer.step()
-        if i >= 3:
+        _train_step(model, compiled, optimizer, x, y, mode)
+        if i >= ALONE_WARMUP:
             seconds.append(time.perf_counter() - start)
             faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
     return {"model": name, "mode": mode, "median_s": statistics.median(seconds),
@@ -173,6 +179,20 @@ def steps_alone(name: str, batch: int, rounds: int) -> dict:
         runs += [pair[mode] for mode in order]
         ratios.append(pair["compiled+division"]["median_s"] / pair["compiled"]["median_s"])
     return {"runs": runs, "ratios": ratios, "ratio_median": statistics.median(ratios)}
+
+
+def alone_rows(alone: dict) -> list[list]:
+    """Table rows of `steps_alone` results per model: per mode the processes' median steps, their
+    median page faults, and (on the division row) the pairs' ratio, median and range."""
+    rows = []
+    for name, result in alone.items():
+        for mode in ALONE_MODES:
+            runs = [r for r in result["runs"] if r["mode"] == mode]
+            ratio = (f"{result['ratio_median']:.3f} ({min(result['ratios']):.3f}-"
+                     f"{max(result['ratios']):.3f})" if mode == "compiled+division" else "")
+            rows.append([name, mode, " ".join(f"{r['median_s']:.3f}" for r in runs),
+                         statistics.median(r["page_faults"] for r in runs), ratio])
+    return rows
 
 
 def profile_breakdown(name: str, batch: int, steps: int = 3, rounds: int = 2) -> list[list]:
@@ -274,18 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     if alone:
         print()
         print_table(["alone b64", "mode", "median s (per process)", "page faults a step",
-                     "compiled+division / compiled (median, range)"],
-                    [[name, mode, " ".join(f"{r['median_s']:.3f}" for r in result["runs"]
-                                           if r["mode"] == mode),
-                      statistics.median(r["page_faults"] for r in result["runs"]
-                                        if r["mode"] == mode),
-                      f"{result['ratio_median']:.3f} ({min(result['ratios']):.3f}-"
-                      f"{max(result['ratios']):.3f})" if mode == "compiled+division" else ""]
-                     for name, result in alone.items() for mode in ALONE_MODES])
+                     "compiled+division / compiled (median, range)"], alone_rows(alone))
 
     malloc_env = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     payload = {"settings": {"division": DIVISION, "repeats": args.repeats,
-                            "malloc_mmap_threshold": 65536, "torch": torch.__version__,
+                            "malloc_mmap_threshold": int(FRESH_MEMORY_ENV["MALLOC_MMAP_THRESHOLD_"]),
+                            "torch": torch.__version__,
                             "alone_rounds": args.alone, "alone_steps": ALONE_STEPS,
                             "step_malloc_env": malloc_env},
                "models": args.models, "memory": memory, "step_seconds": steps,
