@@ -502,3 +502,78 @@ def test_math_path_rerun_leaves_nothing_behind():
     for _ in range(3):
         step()
     assert live_tensors() == before
+
+
+def _math_saves(q, k, v, mask, scale):
+    """What SDPA on the MATH backend saves for its backward (without dropout), in order."""
+    saved = []
+
+    def keep(t):
+        saved.append(t.detach())
+        return saved[-1]
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.MATH), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        F.scaled_dot_product_attention(*inputs, attn_mask=mask, scale=scale)
+    return saved
+
+
+@pytest.mark.parametrize("scale", [None, 0.3])
+@pytest.mark.parametrize("mask", ["none", "bias", "rows-masked", "nan"])
+def test_direct_saves_are_the_math_backends_bit_for_bit(mask, scale):
+    q, k, v = (t.detach() for t in _qkv(11, (2, 3, 24, 16)))
+    v = torch.randn(2, 3, 24, 8)  # another last dim for v
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(2, 1, 24, 24, generator=gen).index_fill(2, torch.tensor([0, 5]),
+                                                                float("-inf"))
+    masks = {"none": None, "bias": torch.randn(3, 24, 24, generator=gen),
+             "rows-masked": rows,  # whole rows at -inf: zeros
+             "nan": rows.index_fill(3, torch.tensor([2]), float("nan"))}  # NaN rows stay NaN
+    want = _math_saves(q, k, v, masks[mask], scale)
+    got = sdpa_math.direct_saves(q, k, v, masks[mask], scale)
+    assert [t.shape for t in got] == [t.shape for t in want]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    if mask == "rows-masked":
+        assert torch.equal(got[2][:, :, 0], torch.zeros(2, 3, 24))
+    if mask == "nan":
+        assert got[2].isnan().all()
+
+
+@pytest.mark.parametrize("case", ["bias", "bias+shift-mask"])
+def test_math_path_reruns_directly_once_checked_with_the_same_gradients(case, monkeypatch):
+    # the first rerun of a kind of call traces SDPA and checks the direct saves against it; the
+    # next ones compute them directly, and backward gives the same bits
+    monkeypatch.setattr(sdpa_math, "_DIRECT", {})
+    traced, real = [], sdpa_math.MathSaves._traced
+
+    def spy(self, inputs):
+        traced.append(1)
+        return real(self, inputs)
+    monkeypatch.setattr(sdpa_math.MathSaves, "_traced", spy)
+    model = BiasAttend(**_MATH_CASES[case])
+    q, k, v = _qkv(5, (4, 3, 48, 16))
+    grad = torch.randn(4, 3, 48, 16, generator=torch.Generator().manual_seed(6))
+    first, _, _ = _grads_with_bias(model, q, k, v, "division", grad)
+    assert len(traced) == 1 and list(sdpa_math._DIRECT.values()) == [True]
+    second, _, _ = _grads_with_bias(model, q, k, v, "division", grad)
+    assert len(traced) == 1  # the second backward did not trace
+    assert all(torch.equal(a, b) for a, b in zip(first, second) if a is not None)
+
+
+def test_math_path_keeps_tracing_a_kind_whose_direct_saves_differ(monkeypatch):
+    # another PyTorch decomposing otherwise: the check fails once, and that kind stays traced
+    monkeypatch.setattr(sdpa_math, "_DIRECT", {})
+    real = sdpa_math.direct_saves
+    monkeypatch.setattr(sdpa_math, "direct_saves",
+                        lambda *args: [t * 1.0001 for t in real(*args)])
+    model = BiasAttend()
+    q, k, v = _qkv(5, (4, 3, 48, 16))
+    grad = torch.randn(4, 3, 48, 16, generator=torch.Generator().manual_seed(6))
+    first, _, _ = _grads_with_bias(model, q, k, v, "division", grad)
+    assert list(sdpa_math._DIRECT.values()) == [False]
+    second, _, _ = _grads_with_bias(model, q, k, v, "division", grad)
+    monkeypatch.setattr(sdpa_math, "direct_saves", real)
+    monkeypatch.setattr(sdpa_math, "_DIRECT", {})
+    reference, _, _ = _grads_with_bias(model, q, k, v, "division", grad)  # traced: first of kind
+    assert all(torch.equal(a, b) and torch.equal(a, c)
+               for a, b, c in zip(first, second, reference) if a is not None)

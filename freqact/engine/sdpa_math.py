@@ -19,6 +19,14 @@ the codec's own draws come before it) is kept and the rerun starts from it (`for
 caller's stream is untouched). The noise's nonzero count is kept too: a rerun that drew another
 mask raises instead of returning a wrong gradient.
 
+Without dropout and `is_causal`, with q, k, v of one rank-4 shape but the last dim and a float
+mask (or none), the rerun computes the saves directly, without autograd and without the final
+P v that no save needs (`direct_saves`: about half the rerun's time on the zoo's Swin). That
+writes out the decomposition of this PyTorch's MATH backend, so it is used only once it has
+been checked: the first rerun of each kind of call (shapes, dtypes, mask, scale) runs both and
+compares every save bit for bit; a difference (another PyTorch decomposing otherwise) keeps
+that kind on the traced rerun for the process (`_DIRECT`).
+
 Under CPU autocast SDPA casts q, k, v to the lower precision inside the op, where the pack hook
 sees autocast as off: the rerun computes in the math backend's float32 on the decoded q, k, v,
 without that rounding (a bfloat16 step, far below the codec's), and the forward graph's casts
@@ -26,12 +34,18 @@ round the gradients on the way back (tested).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from freqact.codecs.base import Codec
 
-__all__ = ["HeldMask", "MathPacked", "MathSave", "MathSaves"]
+__all__ = ["HeldMask", "MathPacked", "MathSave", "MathSaves", "direct_saves"]
+
+_DIRECT: dict[tuple, bool] = {}
+"""Kind of call (`MathSaves._kind`) -> whether `direct_saves` gave the traced rerun's saves bit
+for bit at its first rerun (checked once per kind and process)."""
 
 
 def _storage_nbytes(t: torch.Tensor) -> int:
@@ -136,9 +150,38 @@ class MathSaves:
         return x
 
     def _rerun(self) -> list[torch.Tensor]:
-        """The decomposition's saves on the decoded q, k, v, matched to the forward's."""
+        """The decomposition's saves on the decoded q, k, v, matched to the forward's: computed
+        directly where that was checked to give the same saves, else traced."""
+        inputs = [self.call.decoded(role).detach() for role in ("q", "k", "v")]
+        kind = self._kind(inputs)
+        if kind is None:
+            return self._traced(inputs)
+        checked = _DIRECT.get(kind)
+        if checked:
+            return direct_saves(*inputs, self.mask.rebuild(), self.call.scale)
+        traced = self._traced(inputs)
+        if checked is None:
+            direct = direct_saves(*inputs, self.mask.rebuild(), self.call.scale)
+            _DIRECT[kind] = len(direct) == len(traced) and all(
+                a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+                for a, b in zip(direct, traced))
+        return traced
+
+    def _kind(self, inputs: list[torch.Tensor]) -> tuple | None:
+        """What decides the direct rerun's saves (None: the call needs the traced rerun)."""
+        q, k, v = inputs
+        mask = self.mask
+        if (self.call.dropout or self.call.causal or q.dim() != 4 or k.shape != q.shape
+                or v.shape[:-1] != q.shape[:-1] or not q.dtype == k.dtype == v.dtype
+                or (mask.mask is not None and not mask.mask.is_floating_point())):
+            return None
+        return (tuple(q.shape), tuple(v.shape), q.dtype, self.call.scale, tuple(self.metas),
+                None if mask.mask is None else (tuple(mask.shape), mask.mask.dtype))
+
+    def _traced(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The saves of SDPA itself, rerun on the MATH backend under autograd."""
         call = self.call
-        inputs = [call.decoded(role).detach().requires_grad_() for role in ("q", "k", "v")]
+        inputs = [x.requires_grad_() for x in inputs]
         saved: list[torch.Tensor] = []
 
         def keep(t: torch.Tensor) -> torch.Tensor:
@@ -178,6 +221,40 @@ class MathSaves:
             out.append(saved[j])
             j += 1
         return out
+
+
+def direct_saves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                 scale: float | None) -> list[torch.Tensor]:
+    """The tensors the MATH backend saves for SDPA(q, k, v, mask) without dropout or is_causal,
+    in its order, computed under no_grad (no autograd records, no final P v).
+
+    The decomposition: q and k^T each times sqrt(scale) (scale default 1 / sqrt(d), in double
+    as ATen's), scores = q_s @ k_s^T through (N * heads, ...) views, plus the mask, P = safe
+    softmax over the last dim (rows all -inf give zeros, as `_safe_softmax`); saved: k_s^T and q_s (the first
+    bmm's operands, the second first), P, then v and P (the second bmm's, as its
+    (N * heads, ...) views).
+
+    Args:
+        q, k: (N, heads, T, d); v: (N, heads, T, dv); mask: a float mask broadcastable to
+            (N, heads, T, T), or None; scale: SDPA's scale (None: 1 / sqrt(d)).
+    """
+    n, heads, t, d = q.shape
+    root = math.sqrt(1.0 / math.sqrt(d) if scale is None else scale)
+    with torch.no_grad():
+        q_s, k_t = q * root, k.transpose(-2, -1) * root
+        scores = torch.bmm(q_s.view(n * heads, t, d), k_t.reshape(n * heads, d, t))
+        scores = scores.view(n, heads, t, t)
+        if mask is not None:
+            scores.add_(mask.detach())
+        # ATen's _safe_softmax (softmax, then zeros where a row is all -inf) in fewer passes
+        # (a quarter of its time here): a row's max is -inf exactly when the row is all -inf
+        # (a NaN makes the max NaN, as it makes the row not all -inf)
+        p = torch.softmax(scores, -1)
+        masked = scores.amax(-1, keepdim=True) == float("-inf")
+        if masked.any():
+            p.masked_fill_(masked, 0.0)
+        return [k_t.reshape(n * heads, d, t), q_s.view(n * heads, t, d), p,
+                v.reshape(n * heads, t, v.shape[-1]), p.view(n * heads, t, t)]
 
 
 class MathSave(Codec):

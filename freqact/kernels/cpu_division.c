@@ -10,7 +10,12 @@
  * etc.; edge blocks average what they cover. All sizes come from Python (format.Geometry, checked
  * there against the buffers): this file derives none. lfc == NULL means no block means (the
  * `quant` ablation: the codes quantise x itself). One OpenMP thread team of `threads` splits the
- * maps. Overflow of finite values follows the edge rule of format.py (saturation).
+ * maps (or sequences) in contiguous static shares, as torch's own parallel loops split a tensor:
+ * each thread then mostly reads what its core's caches hold from the op that wrote x, and writes
+ * the decode's output where the backward op's same thread reads it. (Interleaved dynamic shares
+ * moved every cache line between the cores: a 2-core Zen 3 VM decoded Swin's (16, 64, 192)
+ * tokens in 116 us with two threads against 54 us with one; contiguous shares took 50 us, and a
+ * Swin training step 5 % less time.) Overflow of finite values follows the edge rule of format.py (saturation).
  *
  * Encode per map, the data staying in cache between its passes:
  *   1. per block row, block sums (its rows read in memory order and added column-wise, 0 + row 0
@@ -1689,7 +1694,7 @@ int freqact_token_encode(const int64_t *geom, int bits, const float *x, const fl
         if (!p || !ht || !acc || !row) {
             failed = 1;
         } else {
-#pragma omp for schedule(dynamic, 1)  /* a descheduled thread holds up no fixed share */
+#pragma omp for schedule(static)  /* contiguous shares: see the header */
             for (int64_t m = 0; m < M; m++) {
                 const float *src = ht;  /* a contiguous panel is read in place */
                 if (dense) src = x + sequence_offset(geom, m);
@@ -1880,7 +1885,7 @@ int freqact_token_decode(const int64_t *geom, int bits, const uint16_t *lfc, con
         if (!means || !h || !q) {
             failed = 1;
         } else {
-#pragma omp for schedule(dynamic, 1)  /* a descheduled thread holds up no fixed share */
+#pragma omp for schedule(static)  /* contiguous shares: see the header */
             for (int64_t m = 0; m < M; m++) {
                 if (token_pairs(geom)) { /* one mean row per token, in one loop */
                     for (int64_t t = 0; t < T; t++)
