@@ -1,9 +1,12 @@
 """Where an eager DIVISION training step's extra time goes, per part of the codec (issue 14).
 
 For each family of `benchmarks.architectures` (the same models, batches and random inputs as its
-memory cases), at one thread (thread CPU time counts the calling thread only): the median thread
-CPU time of a normal and of a division training step (forward, backward, SGD step; the modes in
-turns), and, averaged over the division steps, the exclusive CPU time of each part of the codec:
+memory cases), at one thread by default: the median time of a normal and of a division training
+step (forward, backward, SGD step; the modes in turns), and, averaged over the division steps,
+the exclusive time of each part of the codec. At one thread the clock is the thread's CPU time
+(the machine's other work does not count); with `--threads N` above 1 it is wall time, because
+the thread CPU time counts the calling thread only, not the team its kernels and torch's split
+work with (a part's time then includes waits for the team):
 
 - the C kernels (`freqact.kernels.cpu`: token and map encode/decode, their Python wrappers
   included);
@@ -19,6 +22,7 @@ the normal step itself does. Each part's function is wrapped for the run by a ti
 subtracts the time of wrapped functions it calls, and restored afterwards.
 
     python -m benchmarks.step_breakdown --families gpt swin vit   # -> results/step-breakdown-cpu.json
+    python -m benchmarks.step_breakdown --threads 2 --out benchmarks/results/step-breakdown-cpu-2thread.json
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -55,19 +60,25 @@ PARTS = (
 hooks at block entry), so replacing the attribute times every call."""
 
 
+def clock() -> Callable[[], float]:
+    """The clock of this thread count: thread CPU time at one thread, else wall time."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
 @contextlib.contextmanager
 def timed_parts(seconds: Counter):
-    """Add each part's exclusive thread CPU time to seconds[label] while the block is open."""
+    """Add each part's exclusive time (`clock`) to seconds[label] while the block is open."""
     stack: list[float] = []  # per open call: the time of the wrapped calls inside it
+    now = clock()
 
     def timed(fn, label):
         def wrapper(*args, **kwargs):
             stack.append(0.0)
-            start = time.thread_time()
+            start = now()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent = time.thread_time() - start
+                spent = now() - start
                 seconds[label] += spent - stack.pop()
                 if stack:
                     stack[-1] += spent
@@ -90,18 +101,19 @@ def breakdown(case: architectures.Case, steps: int) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     seconds: Counter = Counter()
     times = {mode: [] for mode in architectures.MODES}
+    now = clock()
     with timed_parts(seconds):
         for round_ in range(steps + 1):  # round 0 warms up
             if round_ == 1:
                 seconds.clear()
             for mode in architectures.MODES:
-                start = time.thread_time()
+                start = now()
                 optimizer.zero_grad(set_to_none=True)
                 loss, _ = architectures._loss(model, x, y, mode)
                 loss.backward()
                 optimizer.step()
                 if round_:
-                    times[mode].append(time.thread_time() - start)
+                    times[mode].append(now() - start)
     normal, division = (statistics.median(times[m]) * 1e3 for m in architectures.MODES)
     parts = {label: seconds[label] * 1e3 / steps for _, _, label in PARTS if seconds[label]}
     return {"family": case.family, "batch": case.batch, "threads": torch.get_num_threads(),
@@ -124,24 +136,28 @@ def main(argv: list[str] | None = None) -> int:
                         choices=list(cases), help="families to break down (default gpt swin vit)")
     parser.add_argument("--steps", type=int, default=12, help="timed steps per mode (default 12)")
     parser.add_argument("--batch", type=int, default=None, help="every family at this batch")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: thread CPU time; above 1: wall time)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "step-breakdown-cpu.json",
                         help="results JSON (default results/step-breakdown-cpu.json)")
     args = parser.parse_args(argv)
-    for name in ("steps", "batch"):
+    for name in ("steps", "batch", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name}: expected an integer >= 1, got {value}")
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    timing = "thread CPU time" if args.threads == 1 else "wall time"
     cases = architectures._cases(quick=False, batch=args.batch)
     rows = []
     for family in args.families:
         row = breakdown(cases[family], args.steps)
         rows.append(row)
-        print(f"{family} b{row['batch']}, one thread, thread CPU time: normal step "
+        print(f"{family} b{row['batch']}, {args.threads} thread(s), {timing}: normal step "
               f"{row['normal_ms']:.1f} ms, division {row['division_ms']:.1f} ms (medians of "
               f"{args.steps}); parts: means per division step")
         print_table(["part", "ms a step", "% of normal step"], table_rows(row))
-    settings = {"steps": args.steps, "threads": 1, "division": architectures.DIVISION}
+    settings = {"steps": args.steps, "threads": args.threads, "clock": timing,
+                "division": architectures.DIVISION}
     written = write_results(args.out.stem, {"settings": settings, "rows": rows},
                             directory=args.out.parent)
     print(f"wrote {written}")

@@ -6,6 +6,7 @@ import types
 from collections import Counter
 
 import pytest
+import torch
 
 from benchmarks import architectures, step_breakdown
 from freqact.kernels import cpu
@@ -17,7 +18,16 @@ def _burn(seconds: float) -> None:
         pass
 
 
-def test_a_part_is_timed_without_the_parts_it_calls(monkeypatch):
+@pytest.fixture
+def threads():
+    """Set torch's thread count for the test (restored after it)."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_a_part_is_timed_without_the_parts_it_calls(monkeypatch, threads):
+    threads(1)  # thread CPU time: what _burn spends
     ns = types.SimpleNamespace()
 
     def inner():
@@ -49,4 +59,19 @@ def test_steps_below_one_are_refused(capsys):
     with pytest.raises(SystemExit) as exit_:
         step_breakdown.main(["--steps", "0"])
     assert exit_.value.code == 2 and "--steps: expected an integer >= 1, got 0" in (
+        capsys.readouterr().err)
+
+
+def test_one_thread_times_cpu_time_and_more_threads_wall_time(threads):
+    # the thread CPU time misses the work of the team the calling thread splits its ops with
+    threads(1)
+    assert step_breakdown.clock() is time.thread_time
+    threads(2)
+    assert step_breakdown.clock() is time.perf_counter
+
+
+def test_threads_below_one_are_refused(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        step_breakdown.main(["--threads", "0"])
+    assert exit_.value.code == 2 and "--threads: expected an integer >= 1, got 0" in (
         capsys.readouterr().err)

@@ -14,8 +14,8 @@
  * each thread then mostly reads what its core's caches hold from the op that wrote x, and writes
  * the decode's output where the backward op's same thread reads it. (Interleaved dynamic shares
  * moved every cache line between the cores: a 2-core Zen 3 VM decoded Swin's (16, 64, 192)
- * tokens in 116 us with two threads against 54 us with one; contiguous shares took 50 us, and a
- * Swin training step 5 % less time.) Overflow of finite values follows the edge rule of format.py (saturation).
+ * tokens in 116 us with two threads against 54 us with one; contiguous shares took 50 us, and the
+ * zoo's Swin training step 5 % less time.) Overflow of finite values follows the edge rule of format.py (saturation).
  *
  * Encode per map, the data staying in cache between its passes:
  *   1. per block row, block sums (its rows read in memory order and added column-wise, 0 + row 0
