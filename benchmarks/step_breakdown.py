@@ -22,7 +22,7 @@ the normal step itself does. Each part's function is wrapped for the run by a ti
 subtracts the time of wrapped functions it calls, and restored afterwards.
 
     python -m benchmarks.step_breakdown --families gpt swin vit   # -> results/step-breakdown-cpu.json
-    python -m benchmarks.step_breakdown --threads 2 --out benchmarks/results/step-breakdown-cpu-2thread.json
+    python -m benchmarks.step_breakdown --threads 2   # -> results/step-breakdown-cpu-2thread.json
 """
 from __future__ import annotations
 
@@ -138,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=None, help="every family at this batch")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: thread CPU time; above 1: wall time)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "step-breakdown-cpu.json",
-                        help="results JSON (default results/step-breakdown-cpu.json)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results JSON (default results/step-breakdown-cpu.json at one thread, "
+                             "results/step-breakdown-cpu-Nthread.json at N)")
     args = parser.parse_args(argv)
     for name in ("steps", "batch", "threads"):
         value = getattr(args, name)
@@ -158,8 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         print_table(["part", "ms a step", "% of normal step"], table_rows(row))
     settings = {"steps": args.steps, "threads": args.threads, "clock": timing,
                 "division": architectures.DIVISION}
-    written = write_results(args.out.stem, {"settings": settings, "rows": rows},
-                            directory=args.out.parent)
+    out = args.out or RESULTS_DIR / ("step-breakdown-cpu.json" if args.threads == 1
+                                     else f"step-breakdown-cpu-{args.threads}thread.json")
+    written = write_results(out.stem, {"settings": settings, "rows": rows}, directory=out.parent)
     print(f"wrote {written}")
     return 0
 

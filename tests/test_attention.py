@@ -23,6 +23,20 @@ class Attend(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, **self.kwargs)
 
 
+class _Traced(dict):
+    """A `sdpa_math._DIRECT` that never lets a kind take the direct rerun."""
+
+    def get(self, key, default=None):
+        return False
+
+
+@pytest.fixture(autouse=True)
+def fresh_direct_checks(monkeypatch):
+    """Each test starts with no kind of MATH-backend call checked for the direct rerun (so that
+    which rerun a test meets does not depend on the tests before it)."""
+    monkeypatch.setattr(sdpa_math, "_DIRECT", {})
+
+
 def _qkv(seed=0, shape=(2, 3, 48, 16)):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(shape, generator=gen).requires_grad_() for _ in range(3)]
@@ -478,12 +492,15 @@ def test_a_call_is_freed_with_its_graph_without_the_cycle_collector(monkeypatch,
         gc.enable()
 
 
-def test_math_path_rerun_leaves_nothing_behind():
-    # the rerun's graph is never differentiated: it must go with its saves (a pack hook returning
-    # a saved output as is would tie it to its own node, a cycle through C++ no collector frees:
-    # Swin's resident set grew 24 MB per step)
+@pytest.mark.parametrize("rerun", ["traced", "direct"])
+def test_math_path_rerun_leaves_nothing_behind(rerun, monkeypatch):
+    # the traced rerun's graph is never differentiated: it must go with its saves (a pack hook
+    # returning a saved output as is would tie it to its own node, a cycle through C++ no
+    # collector frees: Swin's resident set grew 24 MB per step)
     import gc
 
+    if rerun == "traced":  # every step traces (else only the first would: the check)
+        monkeypatch.setattr(sdpa_math, "_DIRECT", _Traced())
     model = BiasAttend(windows=2)
     q, k, v = _qkv(7, (4, 3, 48, 16))
 
@@ -517,7 +534,7 @@ def _math_saves(q, k, v, mask, scale):
     return saved
 
 
-@pytest.mark.parametrize("scale", [None, 0.3])
+@pytest.mark.parametrize("scale", [None, 0.3, -0.3])
 @pytest.mark.parametrize("mask", ["none", "bias", "rows-masked", "nan"])
 def test_direct_saves_are_the_math_backends_bit_for_bit(mask, scale):
     q, k, v = (t.detach() for t in _qkv(11, (2, 3, 24, 16)))
@@ -539,41 +556,90 @@ def test_direct_saves_are_the_math_backends_bit_for_bit(mask, scale):
         assert got[2].isnan().all()
 
 
+def _two_backwards(model):
+    """Division gradients of two identical calls of model (the same noise), and what the first
+    call's check recorded: the first reruns traced, the second as the check decided."""
+    q, k, v = _qkv(5, (4, 3, 48, 16))
+    grad = torch.randn(4, 3, 48, 16, generator=torch.Generator().manual_seed(6))
+    first, _, _ = _grads_with_bias(model, q, k, v, "division", grad)
+    checks = list(sdpa_math._DIRECT.values())
+    second, _, _ = _grads_with_bias(model, q, k, v, "division", grad)
+    return first, checks, second
+
+
+def _equal(a: list, b: list) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b) if x is not None)
+
+
 @pytest.mark.parametrize("case", ["bias", "bias+shift-mask"])
 def test_math_path_reruns_directly_once_checked_with_the_same_gradients(case, monkeypatch):
     # the first rerun of a kind of call traces SDPA and checks the direct saves against it; the
     # next ones compute them directly, and backward gives the same bits
-    monkeypatch.setattr(sdpa_math, "_DIRECT", {})
     traced, real = [], sdpa_math.MathSaves._traced
 
     def spy(self, inputs):
         traced.append(1)
         return real(self, inputs)
     monkeypatch.setattr(sdpa_math.MathSaves, "_traced", spy)
-    model = BiasAttend(**_MATH_CASES[case])
-    q, k, v = _qkv(5, (4, 3, 48, 16))
-    grad = torch.randn(4, 3, 48, 16, generator=torch.Generator().manual_seed(6))
-    first, _, _ = _grads_with_bias(model, q, k, v, "division", grad)
-    assert len(traced) == 1 and list(sdpa_math._DIRECT.values()) == [True]
-    second, _, _ = _grads_with_bias(model, q, k, v, "division", grad)
-    assert len(traced) == 1  # the second backward did not trace
-    assert all(torch.equal(a, b) for a, b in zip(first, second) if a is not None)
+    first, checks, second = _two_backwards(BiasAttend(**_MATH_CASES[case]))
+    assert checks == [True] and len(traced) == 1  # the second backward did not trace
+    assert _equal(first, second)
 
 
 def test_math_path_keeps_tracing_a_kind_whose_direct_saves_differ(monkeypatch):
     # another PyTorch decomposing otherwise: the check fails once, and that kind stays traced
-    monkeypatch.setattr(sdpa_math, "_DIRECT", {})
     real = sdpa_math.direct_saves
     monkeypatch.setattr(sdpa_math, "direct_saves",
                         lambda *args: [t * 1.0001 for t in real(*args)])
-    model = BiasAttend()
-    q, k, v = _qkv(5, (4, 3, 48, 16))
-    grad = torch.randn(4, 3, 48, 16, generator=torch.Generator().manual_seed(6))
-    first, _, _ = _grads_with_bias(model, q, k, v, "division", grad)
-    assert list(sdpa_math._DIRECT.values()) == [False]
-    second, _, _ = _grads_with_bias(model, q, k, v, "division", grad)
+    first, checks, second = _two_backwards(BiasAttend())
+    assert checks == [False]
     monkeypatch.setattr(sdpa_math, "direct_saves", real)
     monkeypatch.setattr(sdpa_math, "_DIRECT", {})
-    reference, _, _ = _grads_with_bias(model, q, k, v, "division", grad)  # traced: first of kind
-    assert all(torch.equal(a, b) and torch.equal(a, c)
-               for a, b, c in zip(first, second, reference) if a is not None)
+    reference = _two_backwards(BiasAttend())[0]  # the first of its kind: traced
+    assert _equal(first, second) and _equal(first, reference)
+
+
+def test_direct_rerun_check_compares_bits():
+    nan, zero = torch.tensor([float("nan")]), torch.tensor([0.0])
+    assert sdpa_math._same_bits(nan, nan.clone())  # a NaN is the same bits as itself
+    assert not sdpa_math._same_bits(zero, -zero)  # equal values, other bits
+    assert not sdpa_math._same_bits(zero, zero.double())
+
+
+def test_math_path_backward_under_autocast_reruns_as_outside(monkeypatch):
+    # the rerun turns autocast off: the first backward (traced, then checked) and the next
+    # (direct) give the same bits inside an autocast block, and the check passes
+    model = BiasAttend()
+    q, k, v = _qkv(5, (4, 3, 48, 16))
+
+    def grads():
+        torch.manual_seed(7)
+        with freqact.compress(model, "division"):
+            out = model(q, k, v)
+        for t in (q, k, v):
+            t.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out.sum().backward()
+        return [t.grad.clone() for t in (q, k, v)]
+    first = grads()
+    assert list(sdpa_math._DIRECT.values()) == [True]
+    assert all(torch.equal(a, b) for a, b in zip(first, grads()))
+
+
+def test_math_path_with_a_negative_scale_reruns_directly():
+    # ATen scales q by -sqrt(|s|) and k by +sqrt(|s|); the direct rerun does the same
+    class Negative(BiasAttend):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias, scale=-0.25)
+    first, checks, second = _two_backwards(Negative())
+    assert checks == [True] and _equal(first, second)
+
+
+@pytest.mark.parametrize("case", ["dropout", "causal+dropout", "shift-mask+dropout"])
+def test_math_path_with_dropout_or_causal_always_traces(case):
+    model = BiasAttend(**_MATH_CASES[case])
+    q, k, v = _qkv(5, (4, 3, 48, 16))
+    grad = torch.ones(4, 3, 48, 16)
+    for _ in range(2):
+        _grads_with_bias(model, q, k, v, "division", grad)
+    assert sdpa_math._DIRECT == {}

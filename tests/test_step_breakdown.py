@@ -1,6 +1,7 @@
 """benchmarks/step_breakdown.py: exclusive part times, restored functions, one tiny family."""
 from __future__ import annotations
 
+import json
 import time
 import types
 from collections import Counter
@@ -75,3 +76,22 @@ def test_threads_below_one_are_refused(capsys):
         step_breakdown.main(["--threads", "0"])
     assert exit_.value.code == 2 and "--threads: expected an integer >= 1, got 0" in (
         capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("count, name", [(1, "step-breakdown-cpu"), (2, "step-breakdown-cpu-2thread")])
+def test_main_runs_at_the_threads_asked_and_names_its_file_by_them(count, name, monkeypatch,
+                                                                    tmp_path, threads):
+    seen = {}
+
+    def fake_breakdown(case, steps):
+        seen.setdefault("threads", torch.get_num_threads())
+        return {"family": case.family, "batch": case.batch, "threads": torch.get_num_threads(),
+                "normal_ms": 10.0, "division_ms": 12.0, "parts_ms": {"C token encode": 1.0},
+                "other_ms": 1.0}
+    monkeypatch.setattr(step_breakdown, "breakdown", fake_breakdown)
+    monkeypatch.setattr(step_breakdown, "RESULTS_DIR", tmp_path)
+    threads(3)
+    assert step_breakdown.main(["--families", "gpt", "--threads", str(count)]) == 0
+    settings = json.loads((tmp_path / f"{name}.json").read_text())["settings"]
+    assert seen["threads"] == count == settings["threads"]
+    assert settings["clock"] == ("thread CPU time" if count == 1 else "wall time")

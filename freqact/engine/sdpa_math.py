@@ -19,18 +19,22 @@ the codec's own draws come before it) is kept and the rerun starts from it (`for
 caller's stream is untouched). The noise's nonzero count is kept too: a rerun that drew another
 mask raises instead of returning a wrong gradient.
 
-Without dropout and `is_causal`, with q, k, v of one rank-4 shape but the last dim and a float
-mask (or none), the rerun computes the saves directly, without autograd and without the final
-P v that no save needs (`direct_saves`: about half the rerun's time on the zoo's Swin). That
-writes out the decomposition of this PyTorch's MATH backend, so it is used only once it has
-been checked: the first rerun of each kind of call (shapes, dtypes, mask, scale) runs both and
-compares every save bit for bit; a difference (another PyTorch decomposing otherwise) keeps
-that kind on the traced rerun for the process (`_DIRECT`).
+Without dropout and `is_causal`, with contiguous q, k, v of one rank-4 shape but the last dim
+and a float mask (or none), the rerun computes the saves directly, without autograd and without
+the final P v that no save needs (`direct_saves`: about 60 % of the traced rerun's time on the
+zoo's Swin). That writes out the decomposition of this PyTorch's MATH backend, so it is used
+only once it has been checked: the first rerun of each kind of call (shapes, dtypes, scale,
+mask shape, the forward's saves) runs both and compares every save bit for bit; a difference
+(another PyTorch decomposing otherwise) keeps that kind on the traced rerun for the process
+(`_DIRECT`). The check sees what one call's values show: the rule for rows of scores that are
+all -inf (zeros, as `_safe_softmax`) is pinned against this PyTorch by the tests. A kind is a
+shape: each new sequence length pays one traced rerun and one direct one, once.
 
 Under CPU autocast SDPA casts q, k, v to the lower precision inside the op, where the pack hook
 sees autocast as off: the rerun computes in the math backend's float32 on the decoded q, k, v,
 without that rounding (a bfloat16 step, far below the codec's), and the forward graph's casts
-round the gradients on the way back (tested).
+round the gradients on the way back (tested). The rerun turns autocast off, so a backward run
+inside an autocast block computes the same (tested).
 """
 from __future__ import annotations
 
@@ -151,21 +155,33 @@ class MathSaves:
 
     def _rerun(self) -> list[torch.Tensor]:
         """The decomposition's saves on the decoded q, k, v, matched to the forward's: computed
-        directly where that was checked to give the same saves, else traced."""
+        directly where that was checked to give the same saves, else traced. Autocast is off
+        inside: the rerun computes as outside it, whatever autocast state backward runs in."""
         inputs = [self.call.decoded(role).detach() for role in ("q", "k", "v")]
-        kind = self._kind(inputs)
-        if kind is None:
-            return self._traced(inputs)
-        checked = _DIRECT.get(kind)
-        if checked:
-            return direct_saves(*inputs, self.mask.rebuild(), self.call.scale)
-        traced = self._traced(inputs)
-        if checked is None:
+        with torch.autocast("cpu", enabled=False):
+            kind = self._kind(inputs)
+            if kind is None:
+                return self._traced(inputs)
+            checked = _DIRECT.get(kind)
+            if checked:
+                return direct_saves(*inputs, self.mask.rebuild(), self.call.scale)
+            traced = self._traced(inputs)
+            if checked is None:
+                self._check(kind, inputs, traced)
+            return traced
+
+    def _check(self, kind: tuple, inputs: list[torch.Tensor], traced: list[torch.Tensor]) -> None:
+        """Record in `_DIRECT` whether `direct_saves` gives the traced saves bit for bit. Saves
+        that differ where the traced ones hold NaNs leave the kind unrecorded (NaN payloads may
+        differ; the next call checks again)."""
+        try:
             direct = direct_saves(*inputs, self.mask.rebuild(), self.call.scale)
-            _DIRECT[kind] = len(direct) == len(traced) and all(
-                a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
-                for a, b in zip(direct, traced))
-        return traced
+        except (RuntimeError, ValueError, TypeError):  # another PyTorch's saves: not direct
+            _DIRECT[kind] = False
+            return
+        same = len(direct) == len(traced) and all(map(_same_bits, direct, traced))
+        if same or not any(bool(t.isnan().any()) for t in traced):
+            _DIRECT[kind] = same
 
     def _kind(self, inputs: list[torch.Tensor]) -> tuple | None:
         """What decides the direct rerun's saves (None: the call needs the traced rerun)."""
@@ -173,6 +189,7 @@ class MathSaves:
         mask = self.mask
         if (self.call.dropout or self.call.causal or q.dim() != 4 or k.shape != q.shape
                 or v.shape[:-1] != q.shape[:-1] or not q.dtype == k.dtype == v.dtype
+                or not all(t.is_contiguous() for t in inputs)
                 or (mask.mask is not None and not mask.mask.is_floating_point())):
             return None
         return (tuple(q.shape), tuple(v.shape), q.dtype, self.call.scale, tuple(self.metas),
@@ -223,32 +240,46 @@ class MathSaves:
         return out
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b have one shape and dtype and the same bits (NaNs and signed zeros too)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+    return torch.equal(a.view(ints), b.view(ints)) if a.is_floating_point() and ints else (
+        torch.equal(a, b))
+
+
 def direct_saves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                  scale: float | None) -> list[torch.Tensor]:
     """The tensors the MATH backend saves for SDPA(q, k, v, mask) without dropout or is_causal,
     in its order, computed under no_grad (no autograd records, no final P v).
 
-    The decomposition: q and k^T each times sqrt(scale) (scale default 1 / sqrt(d), in double
-    as ATen's), scores = q_s @ k_s^T through (N * heads, ...) views, plus the mask, P = safe
-    softmax over the last dim (rows all -inf give zeros, as `_safe_softmax`); saved: k_s^T and q_s (the first
-    bmm's operands, the second first), P, then v and P (the second bmm's, as its
-    (N * heads, ...) views).
+    The decomposition, as ATen's: with r = sqrt(|scale|) (scale default 1 / sqrt(d), in double),
+    q_s = q * r (-r for a negative scale) and k_s^T = k^T * r, scores = q_s @ k_s^T through
+    (N * heads, ...) views, plus the mask, P = the safe softmax over the last dim (rows all
+    -inf give zeros, as `_safe_softmax`).
 
     Args:
-        q, k: (N, heads, T, d); v: (N, heads, T, dv); mask: a float mask broadcastable to
-            (N, heads, T, T), or None; scale: SDPA's scale (None: 1 / sqrt(d)).
+        q, k: contiguous (N, heads, T, d); v: contiguous (N, heads, T, dv); mask: a float mask
+            broadcastable to (N, heads, T, T), or None; scale: SDPA's scale (None: 1 / sqrt(d)).
+
+    Returns:
+        [k_s^T (N * heads, d, T), q_s (N * heads, T, d), P (N, heads, T, T),
+        v (N * heads, T, dv), P (N * heads, T, T)]: the first bmm's operands (the second
+        first), the softmax output, the second bmm's operands (likewise).
     """
     n, heads, t, d = q.shape
-    root = math.sqrt(1.0 / math.sqrt(d) if scale is None else scale)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    root = math.sqrt(abs(scale))
     with torch.no_grad():
-        q_s, k_t = q * root, k.transpose(-2, -1) * root
+        q_s, k_t = q * (-root if scale < 0 else root), k.transpose(-2, -1) * root
         scores = torch.bmm(q_s.view(n * heads, t, d), k_t.reshape(n * heads, d, t))
         scores = scores.view(n, heads, t, t)
         if mask is not None:
             scores.add_(mask.detach())
         # ATen's _safe_softmax (softmax, then zeros where a row is all -inf) in fewer passes
-        # (a quarter of its time here): a row's max is -inf exactly when the row is all -inf
-        # (a NaN makes the max NaN, as it makes the row not all -inf)
+        # (about 60 % of its time on Swin's shapes): a row's max is -inf exactly when the row
+        # is all -inf (a NaN makes the max NaN, as it makes the row not all -inf)
         p = torch.softmax(scores, -1)
         masked = scores.amax(-1, keepdim=True) == float("-inf")
         if masked.any():

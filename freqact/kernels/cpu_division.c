@@ -10,12 +10,14 @@
  * etc.; edge blocks average what they cover. All sizes come from Python (format.Geometry, checked
  * there against the buffers): this file derives none. lfc == NULL means no block means (the
  * `quant` ablation: the codes quantise x itself). One OpenMP thread team of `threads` splits the
- * maps (or sequences) in contiguous static shares, as torch's own parallel loops split a tensor:
- * each thread then mostly reads what its core's caches hold from the op that wrote x, and writes
- * the decode's output where the backward op's same thread reads it. (Interleaved dynamic shares
- * moved every cache line between the cores: a 2-core Zen 3 VM decoded Swin's (16, 64, 192)
- * tokens in 116 us with two threads against 54 us with one; contiguous shares took 50 us, and the
- * zoo's Swin training step 5 % less time.) Overflow of finite values follows the edge rule of format.py (saturation).
+ * maps (or sequences) in contiguous static shares, roughly as torch's own parallel loops split
+ * a tensor: each thread then mostly reads what its core's caches hold from the op that wrote x,
+ * and writes the decode's output where the backward op's same thread reads it. Shares dealt one
+ * at a time, dynamically, moved every cache line between the cores (the measurements are in
+ * docs/ARCHITECTURE.md, "engine/", the token layouts' fused kernels); the price is that a
+ * thread the scheduler leaves behind holds up its fixed share (the DCT kernels share their work
+ * out dynamically for that reason).
+ * Overflow of finite values follows the edge rule of format.py (saturation).
  *
  * Encode per map, the data staying in cache between its passes:
  *   1. per block row, block sums (its rows read in memory order and added column-wise, 0 + row 0
