@@ -577,9 +577,9 @@ def test_math_path_reruns_directly_once_checked_with_the_same_gradients(case, mo
     # next ones compute them directly, and backward gives the same bits
     traced, real = [], sdpa_math.MathSaves._traced
 
-    def spy(self, inputs):
+    def spy(self, inputs, mask):
         traced.append(1)
-        return real(self, inputs)
+        return real(self, inputs, mask)
     monkeypatch.setattr(sdpa_math.MathSaves, "_traced", spy)
     first, checks, second = _two_backwards(BiasAttend(**_MATH_CASES[case]))
     assert checks == [True] and len(traced) == 1  # the second backward did not trace
@@ -597,6 +597,30 @@ def test_math_path_keeps_tracing_a_kind_whose_direct_saves_differ(monkeypatch):
     monkeypatch.setattr(sdpa_math, "_DIRECT", {})
     reference = _two_backwards(BiasAttend())[0]  # the first of its kind: traced
     assert _equal(first, second) and _equal(first, reference)
+
+
+def test_a_direct_path_that_raises_counts_as_differing(monkeypatch):
+    def raising(*args):
+        raise RuntimeError("another decomposition")
+    monkeypatch.setattr(sdpa_math, "direct_saves", raising)
+    first, checks, second = _two_backwards(BiasAttend())  # the second would raise if direct
+    assert checks == [False] and _equal(first, second)
+
+
+def test_differing_saves_with_nans_are_checked_again(monkeypatch):
+    # a NaN bias makes every save after the scores NaN: NaN payloads may differ between the two
+    # reruns, so a difference there decides nothing and the next call checks again
+    real, checked = sdpa_math.direct_saves, []
+
+    def perturbed(*args):
+        checked.append(1)
+        return [t * 1.0001 for t in real(*args)]
+    monkeypatch.setattr(sdpa_math, "direct_saves", perturbed)
+    model = BiasAttend()
+    with torch.no_grad():
+        model.bias[0, 0, 0] = float("nan")
+    _two_backwards(model)
+    assert sdpa_math._DIRECT == {} and len(checked) == 2
 
 
 def test_direct_rerun_check_compares_bits():

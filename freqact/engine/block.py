@@ -111,6 +111,12 @@ def _encode(route: Route, t: torch.Tensor, view=None) -> _Packed:
 
 
 def _unpack(packed: _Packed) -> torch.Tensor:
+    """The saved tensor from its packed form, computed as outside autocast whatever autocast
+    state backward runs in (inside an autocast block a decode's or rerun's matmuls would run in
+    its lower precision: SDPA's MATH-backend saves came back in bfloat16)."""
+    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return _unpack(packed)
     x = packed.decoded()
     if packed.shape is not None:
         return x.view(packed.shape)

@@ -33,8 +33,8 @@ shape: each new sequence length pays one traced rerun and one direct one, once.
 Under CPU autocast SDPA casts q, k, v to the lower precision inside the op, where the pack hook
 sees autocast as off: the rerun computes in the math backend's float32 on the decoded q, k, v,
 without that rounding (a bfloat16 step, far below the codec's), and the forward graph's casts
-round the gradients on the way back (tested). The rerun turns autocast off, so a backward run
-inside an autocast block computes the same (tested).
+round the gradients on the way back (tested). A backward run inside an autocast block reruns
+the same: the unpack hook turns autocast off (`block._unpack`, tested).
 """
 from __future__ import annotations
 
@@ -155,27 +155,27 @@ class MathSaves:
 
     def _rerun(self) -> list[torch.Tensor]:
         """The decomposition's saves on the decoded q, k, v, matched to the forward's: computed
-        directly where that was checked to give the same saves, else traced. Autocast is off
-        inside: the rerun computes as outside it, whatever autocast state backward runs in."""
+        directly where that was checked to give the same saves, else traced."""
         inputs = [self.call.decoded(role).detach() for role in ("q", "k", "v")]
-        with torch.autocast("cpu", enabled=False):
-            kind = self._kind(inputs)
-            if kind is None:
-                return self._traced(inputs)
-            checked = _DIRECT.get(kind)
-            if checked:
-                return direct_saves(*inputs, self.mask.rebuild(), self.call.scale)
-            traced = self._traced(inputs)
-            if checked is None:
-                self._check(kind, inputs, traced)
-            return traced
+        mask = self.mask.rebuild()
+        kind = self._kind(inputs)
+        if kind is None:
+            return self._traced(inputs, mask)
+        checked = _DIRECT.get(kind)
+        if checked:
+            return direct_saves(*inputs, mask, self.call.scale)
+        traced = self._traced(inputs, mask)
+        if checked is None:
+            self._check(kind, inputs, mask, traced)
+        return traced
 
-    def _check(self, kind: tuple, inputs: list[torch.Tensor], traced: list[torch.Tensor]) -> None:
+    def _check(self, kind: tuple, inputs: list[torch.Tensor], mask: torch.Tensor | None,
+               traced: list[torch.Tensor]) -> None:
         """Record in `_DIRECT` whether `direct_saves` gives the traced saves bit for bit. Saves
         that differ where the traced ones hold NaNs leave the kind unrecorded (NaN payloads may
         differ; the next call checks again)."""
         try:
-            direct = direct_saves(*inputs, self.mask.rebuild(), self.call.scale)
+            direct = direct_saves(*inputs, mask, self.call.scale)
         except (RuntimeError, ValueError, TypeError):  # another PyTorch's saves: not direct
             _DIRECT[kind] = False
             return
@@ -195,8 +195,10 @@ class MathSaves:
         return (tuple(q.shape), tuple(v.shape), q.dtype, self.call.scale, tuple(self.metas),
                 None if mask.mask is None else (tuple(mask.shape), mask.mask.dtype))
 
-    def _traced(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The saves of SDPA itself, rerun on the MATH backend under autograd."""
+    def _traced(self, inputs: list[torch.Tensor], mask: torch.Tensor | None
+                ) -> list[torch.Tensor]:
+        """The saves of SDPA itself on the decoded q, k, v and the call's rebuilt mask, rerun on
+        the MATH backend under autograd."""
         call = self.call
         inputs = [x.requires_grad_() for x in inputs]
         saved: list[torch.Tensor] = []
@@ -215,7 +217,7 @@ class MathSaves:
             if dropout:
                 torch.set_rng_state(self.replay)
             torch.nn.functional.scaled_dot_product_attention(
-                *inputs, attn_mask=self.mask.rebuild(), dropout_p=call.dropout,
+                *inputs, attn_mask=mask, dropout_p=call.dropout,
                 is_causal=call.causal, scale=call.scale)
         out = self._match(saved)
         if self.noise is not None and int(torch.count_nonzero(out[self.noise[0]])) != (
