@@ -53,12 +53,17 @@
  * without: HALVES16 below): min/max lanes, a group of codes per quantise, pack, unpack and
  * dequantise step, a group of mask bits per step, a group of uniforms at a time,
  * 8 token blocks' means, 16 token quant maps and 16 small maps in lanes (a group at a time), 16
- * token columns per decode step; not with intrinsics: the file builds for any CPU, as scalar
- * code without vector units. Each vector step does per lane the float operations of the scalar
- * code in its order (the same bytes).
+ * token columns per decode step; not with intrinsics (but the 8-lane min and max with AVX2,
+ * instructions that are the select they replace): the file builds for any CPU, as scalar code
+ * without vector units. Each vector step does per lane the float operations of the scalar code
+ * in its order (the same bytes). The token layouts' `chan` maps drawing their own noise make
+ * their residual a strip of 16 columns at a time, its ranges on the way (quantize_strips).
  */
 #include <float.h>
 #include <math.h>
+#if defined(__AVX2__)
+#include <immintrin.h> /* the 8-lane min and max (less8, greater8, imin8) */
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -220,8 +225,22 @@ typedef union {
  * included). On 16 lanes written per lane, so that the compiler sees the comparison and emits
  * one vminps/vmaxps (vpminsd for int32) where a select on a mask costs a compare and a blend
  * (GCC 12 leaves such a lane loop scalar against a constant vector: for running minima/maxima
- * only); on 8 lanes as that select, which GCC 12 keeps in vectors where it left the lane loop
- * scalar inside the callers' loops. */
+ * only). On 8 lanes with AVX2 the instructions themselves: vminps a, b is a < b ? a : b and
+ * vmaxps a, b is a > b ? a : b by definition (the second operand where a lane is unordered or
+ * both are zeros), where GCC 12 gave the select below, a compare and a blend (lanes_range ran
+ * two of each per vector and spilled its accumulators); without AVX2 that select, which GCC 12
+ * keeps in vectors where it left the lane loop scalar inside the callers' loops. */
+#if defined(__AVX2__)
+static inline f32x8 less8(f32x8 a, f32x8 b) {
+    return (f32x8)_mm256_min_ps((__m256)a, (__m256)b);
+}
+static inline f32x8 greater8(f32x8 a, f32x8 b) {
+    return (f32x8)_mm256_max_ps((__m256)a, (__m256)b);
+}
+static inline i32x8 imin8(i32x8 a, i32x8 b) {
+    return (i32x8)_mm256_min_epi32((__m256i)a, (__m256i)b);
+}
+#else
 #define DEFINE_EXTREME(name, vec8, op)                                              \
     static inline vec8 name(vec8 a, vec8 b) {                                       \
         i32x8 m = a op b, ai, bi;                                                   \
@@ -234,6 +253,7 @@ typedef union {
 DEFINE_EXTREME(less8, f32x8, <)
 DEFINE_EXTREME(greater8, f32x8, >)
 DEFINE_EXTREME(imin8, i32x8, <)
+#endif
 
 #define DEFINE_EXTREME16(name, vec, op)                                             \
     static inline vec name(vec a, vec b) {                                          \
@@ -708,16 +728,16 @@ static inline uint8_t quantize(float h, float u, float lo, float divisor, float 
     return (uint8_t)(int)t; /* t >= 0: truncation is the floor */
 }
 
-/* The codes of 16 (8) residuals h with their uniforms u, lane-wise `quantize`. The upper clamp
- * is an integer min of the bit patterns: after the lower clamp each lane is +0, positive or
- * +inf, whose patterns order as their values (one vpminsd, where GCC 12 gives a float min
- * against the constant qmax as a compare and two operations, or as scalar code through
- * less16). */
-#define DEFINE_QUANTIZE(name, fvec, ivec, sel, gt, imin)                            \
+/* The codes of 16 (8) residuals h with their uniforms u, lane-wise `quantize`. The lower clamp
+ * is t > 0 ? t : 0 (NaN and -0 become +0): one vmaxps on 8 lanes (greater8), a select on 16.
+ * The upper clamp is an integer min of the bit patterns: after the lower clamp each lane is +0,
+ * positive or +inf, whose patterns order as their values (one vpminsd, where GCC 12 gives a
+ * float min against the constant qmax as a compare and two operations, or as scalar code
+ * through less16). */
+#define DEFINE_QUANTIZE(name, fvec, ivec, floor0, imin)                             \
     static inline ivec name(fvec h, fvec u, fvec vlo, fvec vdiv, fvec vmax) {       \
         const fvec zero = {0};                                                      \
-        fvec t = u + (h - vlo) / vdiv;                                              \
-        t = sel(gt(t, zero), t, zero); /* NaN and -0 -> +0 */                       \
+        fvec t = floor0(u + (h - vlo) / vdiv, zero);                                \
         ivec tb, mb;                                                                \
         memcpy(&tb, &t, sizeof tb);                                                 \
         memcpy(&mb, &vmax, sizeof mb);                                              \
@@ -725,9 +745,9 @@ static inline uint8_t quantize(float h, float u, float lo, float divisor, float 
         memcpy(&t, &tb, sizeof t);                                                  \
         return __builtin_convertvector(t, ivec);                                    \
     }
-#define GREATER(a, b) ((a) > (b))
-DEFINE_QUANTIZE(quantize16, f32x16, i32x16, select16, GREATER, imin16)
-DEFINE_QUANTIZE(quantize8, f32x8, i32x8, select, GREATER, imin8)
+static inline f32x16 above16(f32x16 t, f32x16 zero) { return select16(t > zero, t, zero); }
+DEFINE_QUANTIZE(quantize16, f32x16, i32x16, above16, imin16)
+DEFINE_QUANTIZE(quantize8, f32x8, i32x8, greater8, imin8)
 
 /* The codes of h[i] (i < n) packed into `codes`: a group of GL lanes at a time (`quantize16`
  * or `quantize8`, the float operations of `quantize`, so the same codes) packed in registers
@@ -1490,7 +1510,7 @@ static void token_residual(const int64_t *g, const float *src, const uint16_t *l
 }
 
 /* Block means of the panel src ((H * W, F), contiguous) into lfc and its residual into p (not
- * src). acc, row: scratch of F floats. */
+ * src), or without p the means alone. acc, row: scratch of F floats. */
 static void panel_residual(const int64_t *g, const float *src, float *p, uint16_t *lfc,
                            float *acc, float *row) {
     const int64_t W = g[T_W], F = g[T_F];
@@ -1500,7 +1520,7 @@ static void panel_residual(const int64_t *g, const float *src, float *p, uint16_
     if (token_pairs(g)) {
         for (int64_t t = done; t < g[T_H] * W; t++)
             row_means(g, src, block_row_at(g, t / W, t % W), src + t * F, 1.0f, lfc);
-        token_residual(g, src, lfc, p);
+        if (p) token_residual(g, src, lfc, p);
         return;
     }
     for (int64_t i = 0; i < g[T_NBH]; i++)
@@ -1511,6 +1531,7 @@ static void panel_residual(const int64_t *g, const float *src, float *p, uint16_
             const float *sums = tokens == 1.0f ? src + (r.h0 * W + r.w0) * F : acc;
             if (sums == acc) block_row_sums(g, src, r, acc);
             if (r.h0 * W + r.w0 >= done) row_means(g, src, r, sums, tokens, lfc);
+            if (!p) continue;
             mean_row(g, lfc, r, row);
             /* the block row's tokens of one h are contiguous */
             for (int64_t h = r.h0; h < r.h1; h++)
@@ -1589,13 +1610,29 @@ static inline void store_word(uint32_t w, uint8_t *out, int64_t n) {
 #define LITTLE_ENDIAN_HOST 1
 #endif
 
-/* quantize_lanes for one group of GL maps, with a constant `bits`, always_inline: the shifts
- * of the packing are constants. */
+/* The codes of `count` consecutive elements (p, p + stride, ...; count <= 32 / bits) of a
+ * group's GL maps in lanes, packed into one word per lane, their uniforms drawn from x (which
+ * steps on by mul per element). always_inline with constant `bits` (and `count` for whole
+ * words). */
+static inline __attribute__((always_inline)) gu32 quantize_word(
+        const float *p, int64_t stride, gu32 *x, gu32 mul, gf32 lo_f, gf32 div, gf32 qmax,
+        int count, const int bits) {
+    gu32 word = {0};
+#pragma GCC unroll 16
+    for (int k = 0; k < count; k++) {
+        gf32 h;
+        memcpy(&h, p + k * stride, sizeof h);
+        word |= (gu32)quantize_g(h, uniforms_at(*x), lo_f, div, qmax) << (uint32_t)(k * bits);
+        *x += mul;
+    }
+    return word;
+}
+
+/* quantize_lanes for one group of GL maps whose min and max (lanes_range's) are mn and mx,
+ * with a constant `bits`, always_inline: the shifts of the packing are constants. */
 static inline __attribute__((always_inline)) void quantize_group(
-        int64_t map0, int64_t n, int64_t cb, const float *p, int64_t stride, uint64_t seed,
-        uint16_t *lo, uint16_t *step, uint8_t *codes, const int bits) {
-    gf32 mn, mx;
-    lanes_range(p, n, stride, &mn, &mx);
+        int64_t map0, int64_t n, int64_t cb, const float *p, int64_t stride, gf32 mn, gf32 mx,
+        uint64_t seed, uint16_t *lo, uint16_t *step, uint8_t *codes, const int bits) {
     const gf32 qmax = (gf32){0} + (float)((1 << bits) - 1), zero = {0};
     const gi32 lo_b = bf16_directed_g(mn, 0);
     const gf32 lo_f = bf16_to_float_g(lo_b), span = mx - lo_f;
@@ -1615,25 +1652,29 @@ static inline __attribute__((always_inline)) void quantize_group(
         x[l] = k.add;
         mul[l] = k.mul;
     }
+    /* whole words (no bound to check per element), then the last one */
     const int per_word = 32 / bits;
-    for (int64_t w0 = 0; w0 < n; w0 += per_word) {
-        gu32 word = {0};
-#pragma GCC unroll 16
-        for (int k = 0; k < per_word; k++) {
-            if (w0 + k >= n) break;
-            gf32 h;
-            memcpy(&h, p + (w0 + k) * stride, sizeof h);
-            word |= (gu32)quantize_g(h, uniforms_at(x), lo_f, div, qmax) << (uint32_t)(k * bits);
-            x += mul;
-        }
-        const int64_t at = w0 / per_word * 4;
-        uint8_t *out = codes + map0 * cb + at;
-        if (cb - at >= 4) {
-            for (int l = 0; l < GL; l++) store_word(word[l], out + l * cb, 4); /* one store */
-        } else {
-            for (int l = 0; l < GL; l++) store_word(word[l], out + l * cb, cb - at);
-        }
+    const int64_t whole = n - n % per_word;
+    for (int64_t w0 = 0; w0 < whole; w0 += per_word) {
+        const gu32 word = quantize_word(p + w0 * stride, stride, &x, mul, lo_f, div, qmax,
+                                        per_word, bits);
+        uint8_t *out = codes + map0 * cb + w0 / per_word * 4;
+        for (int l = 0; l < GL; l++) store_word(word[l], out + l * cb, 4); /* one store */
     }
+    if (whole == n) return;
+    const gu32 word = quantize_word(p + whole * stride, stride, &x, mul, lo_f, div, qmax,
+                                    (int)(n - whole), bits);
+    const int64_t at = whole / per_word * 4, last = cb - at < 4 ? cb - at : 4;
+    for (int l = 0; l < GL; l++) store_word(word[l], codes + map0 * cb + at + l * cb, last);
+}
+
+/* quantize_group with `bits` a constant. */
+static void quantize_ranged(int64_t map0, int64_t n, int64_t cb, int bits, const float *p,
+                            int64_t stride, gf32 mn, gf32 mx, uint64_t seed, uint16_t *lo,
+                            uint16_t *step, uint8_t *codes) {
+#define GROUP_AT(b) quantize_group(map0, n, cb, p, stride, mn, mx, seed, lo, step, codes, b)
+    AT_CONSTANT_BITS(bits, GROUP_AT);
+#undef GROUP_AT
 }
 
 /* Quantise and pack the 16 quant maps map0 + lane of n elements each (element e of all 16 at
@@ -1642,10 +1683,94 @@ static void quantize_lanes(int64_t map0, int64_t n, int64_t cb, int bits, const 
                            int64_t stride, uint64_t seed, uint16_t *lo, uint16_t *step,
                            uint8_t *codes) {
     for (int g0 = 0; g0 < 16; g0 += GL) {
-#define GROUP_AT(b) quantize_group(map0 + g0, n, cb, p + g0, stride, seed, lo, step, codes, b)
-        AT_CONSTANT_BITS(bits, GROUP_AT);
-#undef GROUP_AT
+        gf32 mn, mx;
+        lanes_range(p + g0, n, stride, &mn, &mx);
+        quantize_ranged(map0 + g0, n, cb, bits, p + g0, stride, mn, mx, seed, lo, step, codes);
     }
+}
+
+/* --- chan panels 16 columns at a time: the residual and the quantisation fused ---------------
+ *
+ * Where quantize_panel reads the chan maps of a residual panel that panel_residual wrote whole
+ * (to L2 beyond a few tokens), then reads each strip of 16 columns twice (lanes_range, then the
+ * quantisation), quantize_strips makes one strip's residual at a time into T x 16 floats that
+ * stay in L1, its maps' ranges on the way: the same floats, so the same bytes. */
+
+/* Whether sequence panels of geometry g are encoded by strips: chan maps drawn from the seed
+ * (no given noise), whole strips of 16 columns, blocks of several tokens (a strip pays for its
+ * means per block row: with one token per row the `feat` blocks ran 1.1 times slower). */
+static inline int by_strips(const int64_t *g, const float *noise) {
+    return g[T_STATS] == 1 && !noise && g[T_F] % 16 == 0 && g[T_BH] * g[T_BW] > 1;
+}
+
+/* The lfc offsets (within a block row) of the blocks of features c .. c + 15 into at. Returns
+ * whether each group of GL features lies in one block (then block_means_g splats one mean). */
+static int strip_offsets(const int64_t *g, int64_t c, int64_t at[16]) {
+    const int64_t bf = g[T_BF];
+    for (int l = 0; l < 16; l++)
+        at[l] = (bf % GL == 0 ? (c + l / GL * GL) / bf : (c + l) / bf) * g[T_LF];
+    return bf % GL == 0;
+}
+
+/* The block means of a group of GL features: lfc row `base` (the block row's), offsets `at`
+ * of the group's lanes (strip_offsets), one splat when `whole`, else lane by lane. */
+static inline gf32 block_means_g(const uint16_t *base, const int64_t *at, int whole) {
+    if (whole) return splat_g(bf16_to_float(base[at[0]]));
+    gf32 v;
+    for (int l = 0; l < GL; l++) v[l] = bf16_to_float(base[at[l]]);
+    return v;
+}
+
+enum { STRIP_GROUPS = 16 / GL };
+
+/* s (T rows of 16 floats) = the residual of columns c .. c + 15 of panel src (its lfc known),
+ * x - mean, and the min and max of each group of maps over it (+0 for zeros). Returns 1, with
+ * s and the ranges incomplete, when a residual is not finite. */
+static int strip_residual(const int64_t *g, const float *src, const uint16_t *lfc, int64_t c,
+                          float *s, gf32 *mn, gf32 *mx) {
+    const int64_t W = g[T_W], F = g[T_F];
+    int64_t at[16];
+    const int whole = strip_offsets(g, c, at);
+    gf32 lo[STRIP_GROUPS], hi[STRIP_GROUPS], mean[STRIP_GROUPS], v, nonfinite = {0};
+    for (int k = 0; k < STRIP_GROUPS; k++) lo[k] = splat_g(INFINITY), hi[k] = splat_g(-INFINITY);
+    for (int64_t i = 0; i < g[T_NBH]; i++)
+        for (int64_t j = 0; j < g[T_NBW]; j++) {
+            const block_row r = block_row_at(g, i, j);
+            const uint16_t *base = lfc + lfc_index(g, i, j, 0);
+            for (int k = 0; k < STRIP_GROUPS; k++)
+                mean[k] = block_means_g(base, at + k * GL, whole);
+            for (int64_t h = r.h0; h < r.h1; h++)
+                for (int64_t t = h * W + r.w0; t < h * W + r.w1; t++)
+                    for (int k = 0; k < STRIP_GROUPS; k++) {
+                        memcpy(&v, src + t * F + c + k * GL, sizeof v);
+                        v -= mean[k];
+                        nonfinite += v - v;
+                        memcpy(s + t * 16 + k * GL, &v, sizeof v);
+                        lo[k] = less_g(v, lo[k]);
+                        hi[k] = greater_g(v, hi[k]);
+                    }
+        }
+    if (any_g(nonfinite != nonfinite)) return 1;
+    for (int k = 0; k < STRIP_GROUPS; k++) mn[k] = lo[k] + 0.0f, mx[k] = hi[k] + 0.0f;
+    return 0;
+}
+
+/* quantize_panel's chan maps of sequence m with panel_residual's residual fused in (by_strips;
+ * the panel's lfc known): a strip at a time through s (T x 16 floats of scratch). Returns 1 at
+ * the first strip with a residual that is not finite (the edge rule's case, rare: the caller
+ * encodes the panel the other way, which gives every map the same bytes again), else 0. */
+static int quantize_strips(const int64_t *g, int64_t m, int bits, const float *src,
+                           const uint16_t *lfc, float *s, uint64_t seed, uint16_t *lo,
+                           uint16_t *step, uint8_t *codes) {
+    const int64_t T = g[T_H] * g[T_W], F = g[T_F], cb = g[T_CODE_BYTES];
+    for (int64_t c = 0; c < F; c += 16) {
+        gf32 mn[STRIP_GROUPS], mx[STRIP_GROUPS];
+        if (strip_residual(g, src, lfc, c, s, mn, mx)) return 1;
+        for (int k = 0; k < STRIP_GROUPS; k++)
+            quantize_ranged(m * F + c + k * GL, T, cb, bits, s + k * GL, 16, mn[k], mx[k], seed,
+                            lo, step, codes);
+    }
+    return 0;
 }
 
 /* Quantise the residual panel p of sequence m: one map per token row (tok) or per feature
@@ -1686,6 +1811,7 @@ int freqact_token_encode(const int64_t *geom, int bits, const float *x, const fl
     const int64_t nblocks = geom[T_NBH] * geom[T_NBW] * geom[T_NBF];
     const int dense = geom[T_SF] == 1 && (T == 1 || geom[T_SW] == F)
                       && (geom[T_H] == 1 || geom[T_SH] == geom[T_W] * F);
+    const int strips = by_strips(geom, noise);
     int failed = 0;
 #pragma omp parallel num_threads(team(M, threads)) reduction(| : failed)
     {
@@ -1701,8 +1827,13 @@ int freqact_token_encode(const int64_t *geom, int bits, const float *x, const fl
                 const float *src = ht;  /* a contiguous panel is read in place */
                 if (dense) src = x + sequence_offset(geom, m);
                 else gather_panel(geom, x + sequence_offset(geom, m), ht); /* free until quantize */
-                panel_residual(geom, src, p, lfc + m * nblocks, acc, row);
-                quantize_panel(geom, m, bits, p, ht, noise, seed, lo, step, codes);
+                uint16_t *means = lfc + m * nblocks;
+                if (strips) panel_residual(geom, src, NULL, means, acc, row); /* the means */
+                if (!strips
+                    || quantize_strips(geom, m, bits, src, means, p, seed, lo, step, codes)) {
+                    panel_residual(geom, src, p, means, acc, row);
+                    quantize_panel(geom, m, bits, p, ht, noise, seed, lo, step, codes);
+                }
             }
         }
         free(p);

@@ -266,6 +266,42 @@ def test_map_lengths_around_the_vector_widths_with_own_noise(blocks, stats, bits
         assert torch.equal(out, body), (n, shape)
 
 
+def _own_noise_pair(layout, x, seed):
+    """(the C kernel's lfc, lo, step, codes with its own noise, the torch path's encode with that
+    noise given) for a body without a class token."""
+    geom, head = layout[1]._geometry(tuple(x.shape))[:2]
+    assert head == 0
+    maps, count = geom.quant_shape[0] * geom.quant_shape[1], geom.quant_shape[2]
+    want = layout[0].encode(x, stream_uniforms(seed, maps, count).reshape(geom.quant_shape))
+    return cpu.token_encode(TokenLayout._panel(x, head, geom), geom, 2, None, seed), want
+
+
+@pytest.mark.parametrize("block", [8, 4])
+@pytest.mark.parametrize("blocks", BLOCKS)
+def test_chan_strips_with_own_noise_equal_the_torch_path(blocks, block):
+    """Chan maps of whole 16-column strips without given noise (`quantize_strips`, the residual
+    made a strip at a time; `feat` blocks of one token go the other way): the bytes of the torch
+    path, blocks of whole lane groups or not (block 4, 8 x 8 tiles, 64 tokens by one feature),
+    any memory layout; residuals past FLT_MAX (the panel then encoded the other way) too, and
+    NaN/Inf where the format says."""
+    layout = tuple(TokenLayout(codecs.get("division", block=block, bits=2, backend=b), blocks,
+                               "chan") for b in ("torch", "cpu"))
+    gen = torch.Generator().manual_seed(block)
+    shapes = [(2, 6, 10, 16), (1, 9, 9, 32)] if blocks == "grid64" else [(2, 66, 48), (3, 9, 16)]
+    for shape in shapes:
+        for scale in (1.0, 2.0**125):  # 2**125: block sums and residuals overflow
+            for x in _layouts_of(dyadic(shape, torch.float32, gen) * scale):
+                (lfc, lo, step, codes), want = _own_noise_pair(layout, x, seed=5)
+                for got_part, want_part in ((lfc, want.lfc.lfc), (lo, want.quant.lo),
+                                            (step, want.quant.step), (codes, want.quant.codes)):
+                    assert torch.equal(bytes_of(got_part), bytes_of(want_part)), (shape, scale)
+        x = dyadic(shape, torch.float32, gen)
+        x.view(-1)[[3, 40, 77]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+        (lfc, lo, step, _), want = _own_noise_pair(layout, x, seed=6)
+        for a, b in ((lfc, want.lfc.lfc), (lo, want.quant.lo), (step, want.quant.step)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)  # NaN signs: free
+
+
 @pytest.mark.parametrize("bits", [True, 2.0, 3])
 def test_bits_are_checked_at_every_call_even_after_a_cached_geometry(bits):
     layout = TokenLayout(codecs.get("division", block=8, bits=2), "tile", "chan")
