@@ -14,9 +14,10 @@ those with at least `threshold` elements, token tensors go through the eager rou
 layouts (the `graph_ops` custom ops), maps through division as saved, boolean masks (Inductor
 saves ReLU's) are held as 1 bit per element, the rest are kept. The packed form
 travels as a tuple of tensors (AOTAutograd flattens pack outputs into forward outputs / backward
-inputs). The same hooks run as plain Python hooks where the model runs eagerly (graph breaks):
-there the eager codec encodes floating tensors of rank 3 to 5 as saved (parameters and their
-views kept).
+inputs). The same hooks run as plain Python hooks where the model runs eagerly (graph breaks,
+`torch._dynamo.disable`): there they keep what is saved (charged to the meter), because without
+the graph nothing tells which op saved a tensor: coding SDPA's q and k or a ReLU's output blind
+gave gradient errors of 250x.
 
 The hook objects are cached per codec setting: dynamo guards on their identity, so a fresh pair
 per `compress` block would recompile the model at every step.
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from freqact.codecs.base import CODEC_DTYPES, Codec, Exact, ExactPacked
+from freqact.codecs.base import Codec, Exact, ExactPacked
 from freqact.engine import graph_meter, graph_ops, graph_rules
 
 __all__ = ["GRAPH_CODECS", "THRESHOLD", "GraphCodec", "graph_hooks", "installed", "is_compiled",
@@ -110,24 +111,10 @@ class GraphCodec:
             return cls("exact", threshold=threshold)
         return cls("division", codec.block, codec.bits, codec._kernels or "auto", threshold)
 
-    def compresses(self, t: torch.Tensor) -> bool:
-        """The rule where a graph breaks (the hooks run eagerly on real tensors, without the
-        graph's context): floating tensors of rank 3 to 5 go through the eager codec as saved.
-        Inside graphs `graph_rules.route` decides."""
-        return (self.name == "division" and t.dtype in CODEC_DTYPES
-                and t.layout == torch.strided and 3 <= t.dim() <= 5
-                and t.numel() >= self.threshold)
-
 
 def _is_fake(t: torch.Tensor) -> bool:
     """Whether t is being traced (AOTAutograd calls the hooks on fake tensors)."""
     return torch._subclasses.fake_tensor.is_fake(t)
-
-
-def _leaf_or_view_of_leaf(t: torch.Tensor) -> bool:
-    """A parameter or a view of one (`weight.t()`), as eager autograd saves them."""
-    base = t._base if t._base is not None else t
-    return base.requires_grad and base.grad_fn is None
 
 
 def _graph_pack(t: torch.Tensor, name: str, block: int, bits: int, backend: str,
@@ -136,16 +123,21 @@ def _graph_pack(t: torch.Tensor, name: str, block: int, bits: int, backend: str,
 
     Returns:
         Traced: t itself when kept (AOTAutograd then leaves the saved tensor alone),
-        (lfc, lo, step, codes, shape, dtype) for division (plus a 1-bit `> 0` mask for a ReLU
-        output), (lfc, lo, step, codes, view, dtype, layout, shape) for a token layout,
-        (bits, shape) for a boolean mask. Eager: the eager codec's packed form.
+        (lfc, lo, step, codes, shape, dtype) for division, (lfc, lo, step, codes, view, dtype,
+        layout, shape) for a token layout (either plus a 1-bit `> 0` mask for a ReLU output),
+        (bits, shape) for a boolean mask. Eager: `Exact`'s packed form.
     """
     spec = GraphCodec(name, block, bits, backend, threshold)
     if not _is_fake(t):
         # A graph break: this op runs eagerly, and autograd calls the hook on the real tensor.
-        if spec.compresses(t) and not _leaf_or_view_of_leaf(t):
-            return _eager_codec(spec).encode(t)
-        return _EXACT.encode(t)
+        # Detached: t.grad_fn may be the node saving t, a cycle no collector frees.
+        graph_meter.charge_eager(t)
+        return _EXACT.encode(t.detach())
+    if not all(isinstance(size, int) for size in t.shape):
+        raise RuntimeError(
+            "compress: a compiled graph with dynamic shapes (torch.compile(model, dynamic=True) "
+            "or torch._dynamo.mark_dynamic) cannot be compressed: its saved tensors' sizes are "
+            "symbolic; compile with static shapes (the default: a new input size recompiles)")
     context = _hook_context()
     packed, route = _traced_pack(spec, t, context)
     graph_meter.plan(context, t, packed, route)
@@ -163,17 +155,17 @@ def _traced_pack(spec: GraphCodec, t: torch.Tensor, context: dict | None):
         return t.clone(memory_format=torch.contiguous_format), "kept"
     # A tensor seed, drawn in the graph: each step encodes with fresh noise.
     seed = torch.randint(2**62, (), dtype=torch.int64)
+    # ReLU's backward reads the sign of what it saved: kept exact as 1 bit (the eager routes'
+    # relu-mask), the values for the next op's backward coded.
+    positive = (pack_bits(t > 0),) if chosen.positive else ()
     if chosen.layout:  # a token view in an eager route's layout
         parts = torch.ops.freqact.layout_encode(t, list(chosen.view), chosen.layout, spec.block,
                                                 spec.bits, seed, spec.backend)
-        return (*parts, list(chosen.view), t.dtype, chosen.layout, tuple(t.shape)), chosen.name
+        return (*parts, list(chosen.view), t.dtype, chosen.layout, tuple(t.shape),
+                *positive), chosen.name
     parts = torch.ops.freqact.division_encode(t, spec.block, spec.bits, None, seed,
                                               spec.backend)
-    if chosen.name == "relu-mask":
-        # ReLU's backward reads the sign of what it saved: keep it exact as 1 bit (the eager
-        # routes' relu-mask), the values for the next op's backward in the division form.
-        return (*parts, tuple(t.shape), t.dtype, pack_bits(t > 0)), "relu-mask"
-    return (*parts, tuple(t.shape), t.dtype), "division"
+    return (*parts, tuple(t.shape), t.dtype, *positive), chosen.name
 
 
 def _hook_context() -> dict | None:
@@ -233,31 +225,24 @@ def _graph_unpack(packed, name: str, block: int, bits: int, backend: str, thresh
     """The unpack hook: the tensor rebuilt from what `_graph_pack` returned."""
     if isinstance(packed, torch.Tensor):
         return packed
-    if not isinstance(packed, tuple):  # eager: a packed type of the codecs
-        spec = GraphCodec(name, block, bits, backend, threshold)
-        codec = _EXACT if isinstance(packed, ExactPacked) else _eager_codec(spec)
-        return codec.decode(packed)
+    if isinstance(packed, ExactPacked):  # saved where the model runs eagerly
+        return _EXACT.decode(packed)
     if len(packed) == 2:  # a boolean mask
         return unpack_bits(*packed)
-    if len(packed) == 8:  # a token view in a layout
-        *parts, view, dtype, layout, shape = packed
-        x = torch.ops.freqact.layout_decode(*parts, view, dtype, layout, block, bits, backend)
-        return x.view(shape)
+    if len(packed) in (8, 9):  # a token view in a layout (with a ReLU output's mask)
+        *parts, view, dtype, layout, shape = packed[:8]
+        x = torch.ops.freqact.layout_decode(*parts, view, dtype, layout, block, bits,
+                                            backend).view(shape)
+        if len(packed) == 8:
+            return x
+        # as `division_decode`'s positive: exactly zero where it was, positive elsewhere
+        return torch.where(unpack_bits(packed[8], shape), x.clamp_min(torch.finfo(dtype).tiny), 0)
     lfc, lo, step, codes, shape, dtype, *positive = packed
     # a ReLU output (with its mask): exactly zero where it was, strictly positive elsewhere,
     # applied in the decode's own pass (as aten ops after it, Inductor's scalar loop over the
     # bits cost as much as the decode)
     return torch.ops.freqact.division_decode(lfc, lo, step, codes, list(shape), dtype, block,
                                              bits, backend, positive[0] if positive else None)
-
-
-@functools.cache
-def _eager_codec(spec: GraphCodec) -> Codec:
-    from freqact import codecs
-
-    if spec.name == "exact":
-        return _EXACT
-    return codecs.get("division", block=spec.block, bits=spec.bits, backend=spec.backend)
 
 
 def _hook_module(fn, spec: GraphCodec, arg: str) -> torch.fx.GraphModule:
@@ -307,12 +292,16 @@ def installed(spec: GraphCodec):
     k stay exact) and the backward compiled at once (inside the block, so with the same
     settings); `exact` leaves the graphs as compiled
     normal training has them. No AOTAutograd cache: the pack hook must trace for the meter's
-    plans (`graph_meter`).
+    plans (`graph_meter`). Static shapes (no automatic dynamic shapes: a new input size
+    recompiles), since the routes and the plans need the saved tensors' sizes.
     """
     pack, unpack = graph_hooks(spec)
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch._functorch.config.patch(
             saved_tensors_hooks_filtering_mode="donated", enable_autograd_cache=False))
+        # a new input size recompiles a static graph: the routes and the meter's plans need
+        # the saved tensors' sizes (`_graph_pack` refuses symbolic ones)
+        stack.enter_context(torch._dynamo.config.patch(automatic_dynamic_shapes=False))
         if spec.name == "division":
             from torch._inductor import config as inductor
 

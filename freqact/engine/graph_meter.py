@@ -6,12 +6,14 @@ node's `nn_module_stack`, the route, the packed form's bytes and the plain tenso
 the fake tensors' shapes) and charged each time the graph runs: after each forward of the compiled
 model inside the block (`Charger`), its output's autograd graph is searched for compiled-graph
 nodes, and each node's plan is charged once. Graph inputs (parameters, the batch) are not in the
-plans (the hooks never see them, and they are not activation memory); a tensor saved by a graph
-that runs eagerly past a graph break is charged to the model's row.
+plans (the hooks never see them, and they are not activation memory). A tensor saved where the
+model runs eagerly (past a graph break) is kept; it is charged to the model's row as it is saved
+(`charge_eager`), each storage once, parameters and their views not at all.
 """
 from __future__ import annotations
 
 import re
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -21,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from freqact.engine.meter import Meter
 
-__all__ = ["Charger", "PlanRow", "plan"]
+__all__ = ["Charger", "PlanRow", "attach", "charge_eager", "plan"]
 
 
 @dataclass(frozen=True)
@@ -96,33 +98,69 @@ class Charger:
 
     def __init__(self, meter: Meter, model_type: str) -> None:
         self.meter, self.model_type = meter, model_type
-        self._seen: set = set()  # autograd nodes already charged in this block
+        # compiled graphs' autograd nodes already charged in this block (weakly: a forward
+        # dropped inside the block frees its graph and packed forms at once, as without the meter)
+        self._charged: weakref.WeakSet = weakref.WeakSet()
+        self._kept: dict[int, weakref.ref] = {}  # storage ptr -> storage, eager saves charged
 
     def __call__(self, output) -> None:
         """Charge the compiled graphs behind output (a forward's result, any nesting)."""
         stack = [t.grad_fn for t in pytree.tree_leaves(output)
                  if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        visited = set()
         while stack:
             node = stack.pop()
-            if node is None or node in self._seen:
+            if node is None or node in visited:
                 continue
-            self._seen.add(node)
+            visited.add(node)
+            stack.extend(next_node for next_node, _ in node.next_functions)
             rows = _plan_of(node)
-            for row in (rows or {}).values():
+            if rows is None or node in self._charged:  # a compiled graph's node is a Python one
+                continue
+            self._charged.add(node)
+            for row in rows.values():
                 layer, type_name = (row.layer, row.type) if row.type else ("", self.model_type)
                 self.meter._record(layer, type_name, row.route)
                 self.meter._charge(layer, type_name, row.route, row.saved_bytes, row.exact_bytes)
-            stack.extend(next_node for next_node, _ in node.next_functions)
+
+    def eager(self, t: torch.Tensor) -> None:
+        """Charge t, saved where the model runs eagerly and kept, to the model's row (its
+        storage once; parameters and their views, and tensors without storage, never)."""
+        base = t._base if t._base is not None else t
+        if base.requires_grad and base.grad_fn is None:  # a parameter or a view of one
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return
+        self.meter._record("", self.model_type, "kept")
+        ref = self._kept.get(storage.data_ptr())
+        if ref is not None and ref() is storage:
+            return
+        self._kept[storage.data_ptr()] = weakref.ref(storage)
+        self.meter._charge("", self.model_type, "kept", storage.nbytes(), storage.nbytes())
+
+
+_CURRENT = threading.local()  # .charger: the Charger of this thread's open block
+
+
+def charge_eager(t: torch.Tensor) -> None:
+    """Charge t, kept where the model runs eagerly, to the meter of this thread's block."""
+    charger = getattr(_CURRENT, "charger", None)
+    if charger is not None:
+        charger.eager(t)
 
 
 def attach(model: nn.Module, charger: Charger):
-    """Run charger on each output of compiled `model` until the returned handle is removed.
+    """Run charger on each output of compiled `model`, and make it this thread's charger of
+    eager saves (`charge_eager`), until the returned handle is removed.
 
     `torch.compile(model)` runs its forward hooks eagerly, outside the graph; `model.compile()`
     traces the model's own hooks, so there its compiled call is wrapped instead.
     """
+    _CURRENT.charger = charger
     if getattr(model, "_compiled_call_impl", None) is None:  # an OptimizedModule
-        return model.register_forward_hook(lambda module, args, output: charger(output))
+        return _Detach(model.register_forward_hook(lambda module, args, output: charger(output)))
     inner = model._compiled_call_impl
 
     def call(*args, **kwargs):
@@ -131,14 +169,19 @@ def attach(model: nn.Module, charger: Charger):
         return output
 
     model._compiled_call_impl = call
-    return _Restore(model, inner)
+    return _Detach(None, model, inner)
 
 
-class _Restore:
-    """A handle putting back model.compile()'s compiled call."""
+class _Detach:
+    """The handle of `attach`: removes the forward hook or puts back model.compile()'s compiled
+    call, and forgets this thread's charger."""
 
-    def __init__(self, model: nn.Module, inner) -> None:
-        self.model, self.inner = model, inner
+    def __init__(self, hook, model: nn.Module | None = None, inner=None) -> None:
+        self.hook, self.model, self.inner = hook, model, inner
 
     def remove(self) -> None:
-        self.model._compiled_call_impl = self.inner
+        if self.hook is not None:
+            self.hook.remove()
+        else:
+            self.model._compiled_call_impl = self.inner
+        _CURRENT.charger = None

@@ -15,15 +15,20 @@ give each saved tensor the eager routes' layout where it can tell (docs/ARCHITEC
   or k enters exponentially), kept under a mask, is_causal or dropout. A kept q or k that is a strided view (of the qkv
   Linear's output, whose v part is coded) is held as a contiguous copy ("kept copy"): as a
   view it would keep the whole qkv buffer alive;
+- a softmax's input (attention scores that an SDPA with dropout, decomposed, saves): kept, since
+  the backward recomputes exp(x - max) with the exact max;
 - token tensors (N, T, F), and rank-2 (N * T, F) views of them (aten's Linear saves its input
   and the GELU input so, as `addmm`/`mm` operands): `tile/tok` for a LayerNorm's input or
   normalised output (min/step per token), else `tile/chan` (Linear and activation inputs);
   the token shape of a rank-2 tensor is read from the view it was made from or is read as;
   rank-2 tensors without one (BatchNorm1d inputs, a classifier's (N, F) input) are kept;
 - rank 4 and 5 maps, and a Conv1d's rank-3 input or output: `division` as saved (the map
-  rule; a ReLU output also keeps its signs as 1 bit, "relu-mask");
+  rule);
+- a ReLU output, whichever of the coded rules above it gets, also keeps its signs as 1 bit
+  ("relu-mask", "relu-mask <layout>");
 - per-token statistics (N, T, 1) (LayerNorm's mean and rstd: its gradient scales with rstd) and
-  whatever would not get smaller packed are kept.
+  whatever would not get smaller packed are kept; a kept view that holds less than half of its
+  storage's bytes as its own copy ("kept copy"), so that the storage can be freed.
 """
 from __future__ import annotations
 
@@ -53,8 +58,8 @@ class GraphRoute:
     """How one saved tensor is held.
 
     Attributes:
-        name: the meter's route: "kept", "mask", "division", "relu-mask" or
-            "division <layout>".
+        name: the meter's route: "kept", "mask", "division", "relu-mask" (the map rule and a
+            1-bit `> 0` mask), "division <layout>" or "relu-mask <layout>".
         layout: a `graph_ops.LAYOUTS` name, "" for the map rule.
         view: the (M, T, F) token view the layout reads (None for the map rule).
     """
@@ -62,6 +67,11 @@ class GraphRoute:
     name: str
     layout: str = ""
     view: tuple[int, ...] | None = None
+
+    @property
+    def positive(self) -> bool:
+        """Whether a 1-bit `> 0` mask is held beside the coded values (a ReLU output)."""
+        return self.name.startswith("relu-mask")
 
 
 KEPT, COPY, MASK = GraphRoute("kept"), GraphRoute("kept copy"), GraphRoute("mask")
@@ -75,15 +85,29 @@ def route(spec, t: torch.Tensor, context: dict | None) -> GraphRoute:
         t: the saved (fake) tensor.
         context: AOTAutograd's `_node` (t's node in the forward graph) and `_bw_graph`, or None.
     """
-    if spec.name != "division" or t.layout != torch.strided or t.numel() < spec.threshold:
+    if spec.name != "division" or t.layout != torch.strided:
         return KEPT
+    if t.numel() < spec.threshold:
+        return _kept(t)
     if t.dtype == torch.bool:
         return MASK
     if t.dtype not in CODEC_DTYPES:
-        return KEPT
+        return _kept(t)
     node = context.get("_node") if context else None
     chosen = _chosen(t, node, context)
-    return chosen if chosen.name.startswith("kept") or _smaller(spec, t, chosen) else KEPT
+    if chosen.name.startswith("kept"):
+        return chosen
+    return chosen if _smaller(spec, t, chosen) else _kept(t)
+
+
+def _kept(t: torch.Tensor) -> GraphRoute:
+    """KEPT, or COPY for a view holding less than half of its storage's bytes (the head's
+    (N, F) class-token slice of the final norm's output kept 65 times its bytes alive)."""
+    try:
+        storage = t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return KEPT
+    return COPY if 2 * t.numel() * t.element_size() < storage else KEPT
 
 
 def _chosen(t: torch.Tensor, node, context) -> GraphRoute:
@@ -91,27 +115,48 @@ def _chosen(t: torch.Tensor, node, context) -> GraphRoute:
     if sdpa is not None:
         if sdpa and t.dim() == 4:
             return _layout(ATTENTION, token_view(tuple(t.shape), heads=True))
-        return COPY if t.dim() == 4 and not t.is_contiguous() else KEPT
-    if t.dim() == 3 and _convolution_map(node):
-        return GraphRoute("division")
+        return COPY if t.dim() == 4 and not t.is_contiguous() else _kept(t)
+    if _softmax_input(node):
+        return _kept(t)
+    relu = getattr(node, "target", None) is torch.ops.aten.relu.default
+    if t.dim() in (4, 5) or (t.dim() == 3 and _convolution_map(node)):
+        return GraphRoute("relu-mask" if relu else "division")
     if t.dim() in (2, 3):
         if t.shape[-1] == 1:  # per-token statistics (LayerNorm's mean, rstd): kept exact
-            return KEPT
+            return _kept(t)
         view = _token_shape(t, node)
         if view is None:
-            return KEPT
+            return _kept(t)
         # short sequences (windows) read several at a time, as the eager routes read them
         return _layout(TOKENS if _is_norm(node) else FEATURES,
-                       token_view(view, False, group=GROUP_TOKENS))
-    if t.dim() in (4, 5):
-        if getattr(node, "target", None) is torch.ops.aten.relu.default:
-            return GraphRoute("relu-mask")
-        return GraphRoute("division")
-    return KEPT
+                       token_view(view, False, group=GROUP_TOKENS), relu)
+    return _kept(t)
 
 
-def _layout(layout: str, view: tuple[int, ...]) -> GraphRoute:
-    return GraphRoute(f"division {layout}", layout, tuple(view))
+def _layout(layout: str, view: tuple[int, ...], positive: bool = False) -> GraphRoute:
+    return GraphRoute(f"{'relu-mask' if positive else 'division'} {layout}", layout, tuple(view))
+
+
+# Ops a pre-softmax score reaches softmax's statistics through (views, a scale, a mask added).
+_SCORE_PATH = _VIEWS | frozenset({
+    torch.ops.aten.expand.default, torch.ops.aten.permute.default,
+    torch.ops.aten.transpose.int, torch.ops.aten.clone.default, torch.ops.aten.mul.Tensor,
+    torch.ops.aten.div.Tensor, torch.ops.aten.add.Tensor})
+_SOFTMAX_STATS = frozenset({torch.ops.aten.amax.default, torch.ops.aten._softmax.default,
+                            torch.ops.aten._safe_softmax.default,
+                            torch.ops.aten._log_softmax.default, torch.ops.aten.logsumexp.default})
+
+
+def _softmax_input(node, depth: int = 4) -> bool:
+    """Whether node is a softmax's input in the forward (read by amax, softmax or logsumexp,
+    through views, a scale or an added mask): its backward recomputes exp(x - max) / sum with the
+    exact max and sum, so an error on x enters an exponent (an SDPA decomposed for dropout saves
+    its scores so: a relative weight-gradient error of 2e4 coded)."""
+    if node is None or depth == 0:
+        return False
+    return any(user.target in _SOFTMAX_STATS
+               or (user.target in _SCORE_PATH and _softmax_input(user, depth - 1))
+               for user in node.users)
 
 
 def _smaller(spec, t: torch.Tensor, chosen: GraphRoute) -> bool:
@@ -186,5 +231,7 @@ def _sdpa_use(node, context) -> bool | None:
         return None
     if any(name.endswith("sdpa_flash_cpu") for name, _, _ in reads):
         return all(roles <= _RECOMPUTED_CODED for _, _, roles in reads)
+    # the mask is `attn_mask` (CPU flash backward) or `attn_bias` (CUDA efficient, cuDNN)
     return all(roles <= _SDPA_CODED and not args.get("is_causal") and not args.get("dropout_p")
-               and args.get("attn_mask") is None for _, args, roles in reads)
+               and args.get("attn_mask") is None and args.get("attn_bias") is None
+               for _, args, roles in reads)
