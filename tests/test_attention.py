@@ -84,6 +84,25 @@ def test_exact_is_bit_identical_and_division_error_is_small(kwargs):
     assert _rel(fine, plain) < 0.05  # the error is the codec's: it shrinks with its step
 
 
+def test_a_boolean_mask_reruns_as_the_additive_mask_sdpa_makes_of_it():
+    # Hugging Face models hand SDPA a boolean padding mask: the kernel's rerun raised ("attention
+    # mask is the same data type as query") until it was given SDPA's additive form
+    q, k, v = _qkv(3)
+    keep = torch.ones(48, 48, dtype=torch.bool).tril()
+    keep[:, :5] = True  # padding-like columns besides the causal part
+    additive = torch.zeros(48, 48).masked_fill(~keep, float("-inf"))
+    grad = torch.randn(2, 3, 48, 16, generator=torch.Generator().manual_seed(5))
+    grads = []
+    for mask in (keep, additive):
+        torch.manual_seed(4)  # the same noise for both encodes
+        got, meter = _input_grads(Attend(attn_mask=mask), q, k, v, "division", grad)
+        assert meter.by_route()["recomputed"]["count"] == 2  # the flash kernel is rerun
+        grads.append(got)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    plain, _ = _input_grads(Attend(attn_mask=keep), q, k, v, grad=grad)
+    assert 0 < _rel(grads[0], plain) < 2
+
+
 def _spy_decoded(monkeypatch) -> dict:
     """role -> the (N, heads, T, d) q, k, v the codec decoded (filled as backward decodes)."""
     decoded, real = {}, attention.SdpaCall._decode

@@ -121,3 +121,20 @@ def test_hf_sdpa_with_dropout_in_train_mode_is_recomputed(name):
     assert meter.by_route()["recomputed"]["count"] == 2 * 5  # per layer: 6 saves, 1 carries q/k/v
     assert all(torch.isfinite(g).all() for g in division if g is not None)
     assert meter.ratio >= 8, meter.table()  # far below 8x with the dropout SDPA's saves kept
+
+
+@pytest.mark.parametrize("name", ["GPT2", "Bert"])
+def test_hf_padding_mask_reruns_the_flash_kernel(name):
+    # a padding attention_mask reaches SDPA as a boolean mask: the kernel's rerun in backward
+    # raised until it was given SDPA's additive form of it
+    model = _text_with_dropout(name).eval()  # eval: no dropout, the flash kernel with a mask
+    gen = torch.Generator().manual_seed(4)
+    mask = torch.ones(4, 32, dtype=torch.long)
+    mask[0, :7] = 0  # a left-padded sample
+    inputs = {"input_ids": torch.randint(0, 64, (4, 32), generator=gen), "attention_mask": mask}
+    plain, _ = _grads(model, inputs)
+    division, meter = _grads(model, inputs, "division")
+    assert meter.by_route()["recomputed"]["count"] > 0, meter.table()
+    assert all(torch.isfinite(g).all() for g in division if g is not None)
+    num = sum(((a - b) ** 2).sum() for a, b in zip(division, plain) if a is not None)
+    assert float((num / sum((b ** 2).sum() for b in plain if b is not None)).sqrt()) < 2

@@ -21,6 +21,7 @@ the zeros restored exactly (a 1-bit mask) the trained GPT still measured 5.2-5.7
 """
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -190,10 +191,14 @@ class SdpaCall:
                 self._values[role] = self._decode(role)
             else:
                 q, k, v = (self._value(r).view(self.shapes[r]) for r in ROLES)
+                mask = self.mask
+                if mask is not None and mask.dtype == torch.bool:
+                    # as SDPA hands a boolean mask to the kernel: 0 where True, -inf elsewhere
+                    mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, -math.inf)
                 with torch.no_grad():
                     self._values["out"], self._values["lse"] = (
                         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                            q, k, v, 0.0, self.causal, attn_mask=self.mask, scale=self.scale))
+                            q, k, v, 0.0, self.causal, attn_mask=mask, scale=self.scale))
         return self._values[role]
 
     def pack_inputs(self) -> int:
