@@ -297,6 +297,11 @@ def test_compiled_refused_combinations():
     outer = nn.Sequential(torch.compile(nn.Linear(4, 4)), nn.ReLU())
     with pytest.raises(ValueError, match="submodule '0' is compiled"):
         freqact.compress(outer, "division")
+    in_place = _net()
+    in_place.compile()  # dynamo traced the hooks as Python there: an empty meter, wrong grads
+    for codec in ("division", "exact"):
+        with pytest.raises(ValueError, match=r"^model: compiled in place \(model.compile\(\)\)"):
+            freqact.compress(in_place, codec)
 
 
 @pytest.mark.slow

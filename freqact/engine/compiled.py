@@ -62,7 +62,8 @@ def spec_for(model: nn.Module, codec: Codec, include, exclude) -> GraphCodec | N
 
     Raises:
         ValueError: compiled modules inside an uncompiled model (the eager hooks would run outside
-            their graphs and save nothing), include/exclude with a compiled model (a graph does
+            their graphs and save nothing), a model compiled in place (`model.compile()`: its
+            graphs do not inline the hooks), include/exclude with a compiled model (a graph does
             not tell modules apart), or a codec that cannot run inside a graph.
     """
     if not is_compiled(model):
@@ -73,6 +74,10 @@ def spec_for(model: nn.Module, codec: Codec, include, exclude) -> GraphCodec | N
                              f"model; compress the whole compiled model (torch.compile(model)) "
                              f"or none of it compiled")
         return None
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        raise ValueError("model: compiled in place (model.compile()), which compress does not "
+                         "support (dynamo traces the saved-tensor hooks there as Python code, "
+                         "outside the graphs); compress torch.compile(model) instead")
     if include is not None or exclude is not None:
         raise ValueError("include/exclude: not supported for a compiled model (inside a graph "
                          "the saved tensors do not say which module saved them); compress the "

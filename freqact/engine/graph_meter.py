@@ -152,36 +152,19 @@ def charge_eager(t: torch.Tensor) -> None:
 
 
 def attach(model: nn.Module, charger: Charger):
-    """Run charger on each output of compiled `model`, and make it this thread's charger of
-    eager saves (`charge_eager`), until the returned handle is removed.
-
-    `torch.compile(model)` runs its forward hooks eagerly, outside the graph; `model.compile()`
-    traces the model's own hooks, so there its compiled call is wrapped instead.
-    """
+    """Run charger on each output of compiled `model` (a `torch.compile` OptimizedModule, whose
+    forward hooks run eagerly, outside the graph), and make it this thread's charger of eager
+    saves (`charge_eager`), until the returned handle is removed."""
     _CURRENT.charger = charger
-    if getattr(model, "_compiled_call_impl", None) is None:  # an OptimizedModule
-        return _Detach(model.register_forward_hook(lambda module, args, output: charger(output)))
-    inner = model._compiled_call_impl
-
-    def call(*args, **kwargs):
-        output = inner(*args, **kwargs)
-        charger(output)
-        return output
-
-    model._compiled_call_impl = call
-    return _Detach(None, model, inner)
+    return _Detach(model.register_forward_hook(lambda module, args, output: charger(output)))
 
 
 class _Detach:
-    """The handle of `attach`: removes the forward hook or puts back model.compile()'s compiled
-    call, and forgets this thread's charger."""
+    """The handle of `attach`: removes the forward hook and forgets this thread's charger."""
 
-    def __init__(self, hook, model: nn.Module | None = None, inner=None) -> None:
-        self.hook, self.model, self.inner = hook, model, inner
+    def __init__(self, hook) -> None:
+        self.hook = hook
 
     def remove(self) -> None:
-        if self.hook is not None:
-            self.hook.remove()
-        else:
-            self.model._compiled_call_impl = self.inner
+        self.hook.remove()
         _CURRENT.charger = None
