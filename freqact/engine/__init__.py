@@ -17,7 +17,8 @@ tensor autograd saves is routed by that module and by what the tensor is:
 - the input of a Conv/Linear/BatchNorm/LayerNorm/GroupNorm (or of an `include`d type): the codec,
   unless the codec declines it (`codec.accepts(x)` False: lfc/hfc on (N, F) inputs), then kept;
   a BatchNorm's (N, C) input is read per channel over the batch (the layout of its statistics);
-- a ReLU's output: 1-bit `relu-mask`; a ReLU6/Hardtanh input: 1-bit `hardtanh-mask`; a LeakyReLU
+- a ReLU's output (`nn.ReLU`, and `F.relu`/`torch.relu` by the function that saved it): 1-bit
+  `relu-mask`; a ReLU6/Hardtanh input: 1-bit `hardtanh-mask`; a LeakyReLU
   input or output: 1-bit `sign-mask`; dropout's scaled noise: 1-bit `dropout-mask` (under `exact`
   the three activation masks are not made: the same storage is kept, counted once);
 - MaxPool's int64 indices: uint8 window offsets (`maxpool-indices`); MaxPool/AvgPool inputs, whose
@@ -30,9 +31,10 @@ tensor autograd saves is routed by that module and by what the tensor is:
   token (`tile/tok`); SDPA on the CPU flash kernel or the MATH backend: q/k/v packed, the rest
   recomputed in backward (`attention`, `sdpa_math`); elsewhere SDPA q/k, causal or masked
   attention and statistics stay exact;
-- anything else (`F.relu`, tensors under 4096 elements saved by ops, statistics), float8, sparse
-  and nested tensors, and tensors whose packed form would not be smaller: kept as is (sparse and
-  nested ones are not counted in bytes).
+- anything else (tensors under 4096 elements saved by ops, statistics), float8, sparse and nested
+  tensors, and tensors whose packed form would not be smaller: kept as is (sparse and nested ones
+  are not counted in bytes); a storage one save keeps as is is kept for every later save of it
+  (a coded copy beside it would hold more than plain PyTorch).
 
 The choice is a table (`freqact.engine.routes`): torch function, then module kind -> a chooser
 that looks at the saved tensor and returns a named `Route` (its layout in the meter's route name,
@@ -47,15 +49,14 @@ stores makes that map decode non-finite (all NaN for division, division-no-lfc a
 docs/ARCHITECTURE.md; its block for division-no-hfc; the DCT spreads it for lfc/hfc), so gradients
 that read it come out NaN as in plain PyTorch; the 1-bit masks treat NaN exactly as PyTorch's own
 backward does (NaN > 0 is false). A zero-size batch saves nothing and is kept as is.
-Functional activations (`F.relu`) are kept exactly, not masked: a pack hook cannot tell the
-activation's own save from a later op saving the same output, and guessing wrong would corrupt
-gradients. The model zoo uses activation modules.
+A functional ReLU's own save is told from a later op's save of the same output by the torch
+function running (`engine.tracker`: `relu` then, the next op's name later).
 
 Not supported (refused or documented): nesting `compress` blocks in one thread, and opening a block
 on a model (or a module of it) that another thread's block hooks (RuntimeError: one block per
-model at a time; forwards of a hooked model in other threads are not compressed), and
-`torch.compile` (saved-tensor hooks save no
-memory there). `torch.utils.checkpoint(..., use_reentrant=False)` inside the block works: the
+model at a time; forwards of a hooked model in other threads are not compressed). A
+`torch.compile`d model gets the graph-level hooks instead (`engine.compiled`); a model compiled
+in place (`model.compile()`) is refused. `torch.utils.checkpoint(..., use_reentrant=False)` inside the block works: the
 checkpointed regions save through checkpoint's own hooks (recomputation never reaches the codec)
 and the meter counts only what the block saves itself, checkpoint's saved inputs included.
 """

@@ -386,6 +386,11 @@ class _Compress:
         if self._params.derived(t, ptr, site.module):
             return _encode(PARAMETER, t)
         route, view = route_for(site, self._describe(t, x, func))
+        held = self._held_seen.get(ptr)
+        if route.copies and held is not None and held() is storage:
+            # the storage is held as is already (another save's rule keeps it: include= leaving
+            # that module out): a copy beside it would hold more than plain PyTorch, for nothing
+            route, view = KEEP, None
         recipe = (self._recompute.recipe_for(t, storage, ptr, route)
                   if route.copies and self._recompute is not None else None)
         if recipe is not None:

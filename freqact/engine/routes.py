@@ -478,6 +478,7 @@ def _matmul(site: Site, saved: Saved) -> Route:
 _ACTIVATIONS = ("gelu", "silu", "hardswish", "hardsigmoid", "mish", "elu", "selu", "celu",
                 "sigmoid", "tanh", "softplus")
 _FUNCTION_CHOOSERS: dict[str, Callable[[Site, Saved], Route | None]] = {
+    "relu": _relu, "relu_": _relu,  # F.relu, torch.relu, Tensor.relu: as nn.ReLU
     "linear": _linear, "addmm": _linear,
     **dict.fromkeys(_ACTIVATIONS, _activation),
     "layer_norm": _norm, "rms_norm": _norm, "pow": _norm,
