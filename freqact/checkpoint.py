@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from freqact import models
+from freqact.distributed import pick_device
 
 FORMAT = "freqact-ckpt-1"
 # The most classes a stored config may ask a rebuilt model for (ImageNet-21k has 21,841).
@@ -131,9 +132,14 @@ def load(path: str | os.PathLike) -> dict:
         raise ValueError(f"{path}: not a loadable checkpoint (truncated or corrupt?): "
                          f"{first_line}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
-        found = ckpt.get("format") if isinstance(ckpt, dict) else type(ckpt).__name__
-        raise ValueError(f"{path}: expected a freqact checkpoint (format {FORMAT!r}), "
-                         f"got {found!r}")
+        if not isinstance(ckpt, dict):
+            found = f"a {type(ckpt).__name__}"
+        elif "format" in ckpt:
+            found = f"format {ckpt['format']!r}"
+        else:  # e.g. a plain state_dict saved with torch.save
+            found = f"a dict without a format entry (keys {sorted(map(str, ckpt))[:3]}...)"
+        raise ValueError(f"{path}: expected a freqact checkpoint (format {FORMAT!r}, written by "
+                         f"`freqact train`), got {found}")
     return ckpt
 
 
@@ -176,10 +182,12 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"
         config.get("model_options"))` with the checkpoint's weights, and the checkpoint dict.
 
     Raises:
-        ValueError: if the file is not a checkpoint, its config is not one `freqact train` writes
-            (checked before anything is built: a known model, 1 <= num_classes <= MAX_CLASSES,
-            ...), or its weights do not fit the named model.
+        ValueError: if the device is not one this machine has, the file is not a checkpoint, its
+            config is not one `freqact train` writes (checked before anything is built: a known
+            model, 1 <= num_classes <= MAX_CLASSES, ...), or its weights do not fit the named
+            model.
     """
+    device = pick_device(str(device))  # "cuda" without CUDA: the message, not torch's assertion
     ckpt = load(path)
     config = _checked_config(path, ckpt)
     if not isinstance(ckpt.get("model"), dict):

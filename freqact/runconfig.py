@@ -84,7 +84,7 @@ class RunConfig(_WithCodecSettings):
             integer in [0, 2**32 - 1].
         amp: autocast (bfloat16 on CPU; float16 with a GradScaler on CUDA).
         device: "cpu", "cuda", "cuda:N" or None for CUDA when available.
-        data_dir: CIFAR data directory (else $FREQACT_DATA, else ./data).
+        data_dir: CIFAR data directory (else $FREQACT_DATA, else ./data); made absolute.
         download: download CIFAR when missing.
         out: run directory; None means runs/<model>-<dataset>-<mode>.
         save_epochs: epochs after which `ckpt/epoch-XXXX.pt` is kept.
@@ -145,6 +145,8 @@ class RunConfig(_WithCodecSettings):
             setattr(self, name, _selector_list(name, getattr(self, name)))
         if self.out is None:
             self.out = str(Path("runs") / f"{self.model}-{self.dataset}-{self.mode}")
+        if self.data_dir is not None:  # recorded absolute: eval and the analyses run elsewhere
+            self.data_dir = str(Path(self.data_dir).expanduser().absolute())
 
     @classmethod
     def from_dict(cls, stored: dict) -> RunConfig:

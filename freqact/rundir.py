@@ -216,7 +216,9 @@ class RunDir:
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
-        """Hold the run's exclusive lock for the block (creates the directory).
+        """Hold the run's exclusive lock for the block (creates the directory; a directory it
+        created that holds nothing but the lock when the block ends, a run refused before it
+        wrote anything, is removed again).
 
         Raises:
             RunDirBusy: if another process holds it; the message names the directory.
@@ -224,16 +226,22 @@ class RunDir:
         if fcntl is None:  # pragma: no cover
             yield
             return
+        created = not self.path.exists()
         self.path.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                created = False  # another process's run
                 raise RunDirBusy(f"out: {self.path} is in use by another freqact process; wait "
                                  "for it to finish or choose another --out") from None
             yield
         finally:
+            if created and [p.name for p in self.path.iterdir()] == [self.lock_path.name]:
+                with contextlib.suppress(OSError):  # still under the lock
+                    self.lock_path.unlink()
+                    self.path.rmdir()
             os.close(fd)  # closing the descriptor releases the lock
 
     # -- resume -----------------------------------------------------------------------------

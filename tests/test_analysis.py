@@ -397,6 +397,22 @@ def tiny_run(tmp_path):
     return tmp_path / "run"
 
 
+def test_analyses_refuse_a_missing_device_and_a_text_model_with_their_reason(tiny_run, tmp_path,
+                                                                          capsys):
+    ckpt = str(tiny_run / "ckpt" / "epoch-0001.pt")
+    if not torch.cuda.is_available():  # torch's own assertion was a traceback
+        for command in (["lambdas", ckpt], ["pooling", ckpt], ["theorem31", ckpt]):
+            assert cli.main([*command, "--device", "cuda"]) == 2
+            assert "device: expected 'cpu' on this machine" in capsys.readouterr().err
+    config = {"model": "gpt", "num_classes": 256, "dataset": "stdlib-text", "data_dir": None,
+              "seed": 0, "subset": 32}
+    text = tmp_path / "text" / "ckpt" / "epoch-0001.pt"
+    checkpoint.save(text, {"format": checkpoint.FORMAT, "epoch": 1, "config": config,
+                           "model": models.get("gpt", num_classes=256).state_dict()})
+    assert cli.main(["lambdas", str(text), "--images", "2"]) == 2
+    assert "the analyses read the activation maps of image models" in capsys.readouterr().err
+
+
 def test_resolve_checkpoints(tiny_run):
     found = common.resolve_checkpoints([tiny_run])
     assert [p.name for p in found] == ["epoch-0001.pt", "epoch-0002.pt"]

@@ -554,8 +554,10 @@ def test_a_functional_relu_is_routed_as_the_module():
 
 def test_bad_arguments_name_the_argument():
     model = Fork()
-    with pytest.raises(ValueError, match="codec"):
+    with pytest.raises(ValueError, match=r"^codec: expected one of .*'division'.*, got "
+                                         r"'no-such-codec'$") as err:
         compress(model, "no-such-codec")
+    assert "relu-mask" not in str(err.value)  # the engine's own codecs are not offered
     with pytest.raises(TypeError, match="model"):
         compress(lambda x: x, "exact")
     with pytest.raises(TypeError, match="codec"):
@@ -566,6 +568,11 @@ def test_bad_arguments_name_the_argument():
         compress(model, "exact", exclude=[int])
     with pytest.raises(ValueError, match="include"):
         compress(model, "exact", include=["nope"])
+    with pytest.raises(ValueError, match=r"include: no module named 'Conv2d' in the model \(a "
+                                         r"module type is passed as the class: torch.nn.Conv2d\)"):
+        compress(model, "exact", include=["Conv2d"])
+    with pytest.raises(ValueError, match="include: an empty list would compress nothing"):
+        compress(model, "exact", include=[])
     with pytest.raises(TypeError, match="params"):
         compress(model, codecs.get("exact"), bits=2)
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from freqact import checkpoint, rundir, train
+from freqact import checkpoint, cli, rundir, train
 from freqact.rundir import RunDir
 
 
@@ -101,6 +101,27 @@ def test_lock_is_exclusive_and_released(tmp_path):
                 pass
     with run.lock():  # released on exit
         pass
+
+
+def test_a_run_directory_left_empty_is_removed_with_its_lock(tmp_path):
+    # a run refused before it wrote anything (a bad --include) left RUN/ holding only `.lock`,
+    # which `freqact figures` then called "not a run directory"
+    run = RunDir(tmp_path / "runs" / "a")
+    with run.lock():
+        pass
+    assert not run.path.exists() and (tmp_path / "runs").is_dir()
+    with run.lock():
+        run.write_config({"model": "resnet20"})
+    assert run.config_path.is_file() and run.lock_path.exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    with RunDir(mine).lock():  # a folder that was there before is left as it was
+        pass
+    assert mine.is_dir()
+    out = tmp_path / "refused"
+    assert cli.main(["train", "--out", str(out), "--mode", "division", "--include", "Conv2D",
+                     "--dataset", "synthetic", "--epochs", "1"]) == 2
+    assert not out.exists()
 
 
 def test_lock_of_a_killed_process_does_not_block(tmp_path):

@@ -250,3 +250,13 @@ def test_the_window_rule_setting_offers_exactly_the_rules_dct_knows():
 
     assert WINDOW_RULE.choices == dct.WINDOW_RULES
     assert all(WINDOW_RULE in codecs.codec_class(n).settings for n in ("lfc", "hfc", "hfc-quant"))
+
+
+def test_a_relative_data_dir_is_recorded_absolute(tmp_path, monkeypatch):
+    # `eval` and the analyses read the run's data_dir from wherever they are run
+    from freqact.runconfig import RunConfig
+
+    monkeypatch.chdir(tmp_path)
+    config = RunConfig(model="resnet20", dataset="synthetic", data_dir="data")
+    assert config.data_dir == str(tmp_path / "data")
+    assert RunConfig(model="resnet20", dataset="synthetic").data_dir is None

@@ -186,6 +186,9 @@ def eval_batch(
         seed=config.get("seed", 0),
     )
     x = data.model_inputs(ds, ds.test_images[:images], model)
+    if not x.is_floating_point():
+        raise ValueError(f"checkpoint: the analyses read the activation maps of image models; "
+                         f"this run's model reads {config['dataset']!r} token ids")
     return x.to(device), ds.test_labels[:images].to(device)
 
 

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from freqact import _validate
 from freqact import codecs as _codecs
 from freqact.codecs import base as _codec_base
 from freqact.codecs.base import Codec
@@ -144,13 +145,19 @@ def _split_selectors(arg_name: str, value, model_names: set[str]) -> tuple[tuple
     if not isinstance(items, Iterable):
         raise TypeError(f"{arg_name}: expected a module type, a module name or a list of them, "
                         f"got {type(value).__name__}")
+    items = list(items)
+    if not items and arg_name == "include":
+        raise ValueError("include: an empty list would compress nothing; pass None for the "
+                         "default types")
     types, names = [], []
     for item in items:
         if isinstance(item, type) and issubclass(item, nn.Module):
             types.append(item)
         elif isinstance(item, str):
             if item not in model_names:
-                raise ValueError(f"{arg_name}: no module named {item!r} in the model")
+                hint = (f" (a module type is passed as the class: torch.nn.{item})"
+                        if isinstance(getattr(nn, item, None), type) else "")
+                raise ValueError(f"{arg_name}: no module named {item!r} in the model{hint}")
             names.append(item)
         else:
             raise TypeError(
@@ -181,11 +188,13 @@ def _build_codec(codec, params: dict) -> Codec:
     else:
         raise TypeError(f"codec: expected a codec name or a Codec, got {type(codec).__name__}")
     registry = _codec_base._REGISTRY
-    if not _whole_model(registry.get(name) if isinstance(codec, str) else codec):
+    accepted = tuple(n for n in _codecs.names() if _whole_model(registry[n]))
+    if isinstance(codec, str) and name not in registry:  # the engine's own codecs not offered
+        _validate.choice("codec", name, accepted)
+    if not _whole_model(registry[name] if isinstance(codec, str) else codec):
         # masks, indices and shape-only are exact only for the tensors the engine routes to them
-        accepted = ", ".join(n for n in _codecs.names() if _whole_model(registry[n]))
-        raise ValueError(f"codec: expected a whole-model codec ({accepted}), got {name!r} (the "
-                         f"engine applies it itself where it is exact)")
+        raise ValueError(f"codec: expected a whole-model codec ({', '.join(accepted)}), got "
+                         f"{name!r} (the engine applies it itself where it is exact)")
     return _codecs.get(codec, **params) if isinstance(codec, str) else codec
 
 

@@ -94,7 +94,8 @@ def test_checkpoint_of_another_model_or_an_older_format(tmp_path, capsys):
     checkpoint.save(old, checkpoint_of("mlp", models.get("mlp", hidden=(8,)), fmt="freqact-ckpt-0"))
     legacy = tmp_path / "legacy.pt"
     torch.save({"state_dict": models.get("mlp", hidden=(8,)).state_dict(), "epoch": 3}, legacy)
-    for path, found in ((old, "'freqact-ckpt-0'"), (legacy, "None")):
+    for path, found in ((old, "format 'freqact-ckpt-0'"),
+                        (legacy, r"a dict without a format entry \(keys \['epoch', 'state_dict'\]")):
         with pytest.raises(ValueError, match=rf"{path.name}: expected a freqact checkpoint .*"
                                              rf"got {found}"):
             checkpoint.load(path)
