@@ -72,6 +72,16 @@ bits = 2
     (dict(variants=[{"label": "q", "mode": "quant", "bits": 3}]), ValueError, "variant 'q': bits"),
     (dict(variants=[{"mode": "quant", "bits": 3}]), ValueError, r"variants\[0\]: bits"),
     (dict(base={**TINY_BASE, "model": "resnet99"}), ValueError, "model: expected one of"),
+    # settings the mode does not use, refused as on the command line (they named runs that were
+    # the same run)
+    (dict(variants=[{"label": "n", "mode": "normal", "bits": 2}]), ValueError,
+     r"variant 'n': bits: mode 'normal' does not use it \(its settings: none\)"),
+    (dict(grid={"seed": [0], "ratio": [0.1, 0.2]}), ValueError,
+     r"variant 'normal'.*ratio: mode 'normal' does not use it"),
+    (dict(variants=[{"mode": "division", "ratio": 0.1}]), ValueError,
+     r"ratio: mode 'division' does not use it \(its settings: block, bits"),
+    (dict(variants=[{"label": "n", "mode": "normal", "include": ["Linear"]}]), ValueError,
+     r"variant 'n': include: mode 'normal' does not use it"),
     (dict(base={**TINY_BASE, "epochs": "4"}), TypeError, "epochs"),
     (dict(name=""), ValueError, "name: expected a non-empty string"),
     (dict(base=[1, 2]), TypeError, "base: expected a table"),
