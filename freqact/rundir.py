@@ -226,16 +226,8 @@ class RunDir:
         if fcntl is None:  # pragma: no cover
             yield
             return
-        created = not self.path.exists()
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        created, fd = self._locked()
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                created = False  # another process's run
-                raise RunDirBusy(f"out: {self.path} is in use by another freqact process; wait "
-                                 "for it to finish or choose another --out") from None
             yield
         finally:
             if created and [p.name for p in self.path.iterdir()] == [self.lock_path.name]:
@@ -243,6 +235,31 @@ class RunDir:
                     self.lock_path.unlink()
                     self.path.rmdir()
             os.close(fd)  # closing the descriptor releases the lock
+
+    def _locked(self) -> tuple[bool, int]:
+        """(whether the directory was made here, the descriptor holding the lock).
+
+        A lock taken on a lock file that its holder has just removed with the empty directory
+        (see `lock`) is a lock on nothing: the file at the path is checked to be the one locked,
+        else the directory and lock file are made again.
+        """
+        while True:
+            created = not self.path.exists()
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise RunDirBusy(f"out: {self.path} is in use by another freqact process; wait "
+                                 "for it to finish or choose another --out") from None
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.lock_path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                return created, fd
+            os.close(fd)  # removed while we waited to lock it: take the path's lock again
 
     # -- resume -----------------------------------------------------------------------------
     def resume_checkpoint(self) -> tuple[Path | None, dict | None, list[str]]:

@@ -604,6 +604,28 @@ def test_compiled_division_keeps_and_meters_what_runs_eagerly():
     assert ref() is None and len(model.outputs) == 1 and model.outputs[0]() is None
 
 
+def test_frozen_weights_saved_where_the_model_runs_eagerly_are_not_charged():
+    @torch._dynamo.disable
+    def frozen_linear(h, weight):
+        # saves the (frozen) weight, and for the product its two (N, 64) factors
+        return torch.nn.functional.linear(h, weight) * h
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.frozen = nn.Linear(64, 64), nn.Linear(64, 64)
+            self.frozen.requires_grad_(False)
+
+        def forward(self, x):
+            return frozen_linear(torch.tanh(self.a(x)), self.frozen.weight)
+
+    compiled = torch.compile(Model())
+    x = torch.randn(8, 64)
+    with freqact.compress(compiled, "division") as meter:
+        compiled(x).sum().backward()
+    assert meter.exact_bytes == 2 * x.numel() * 4  # the factors; not the weight (16 KiB)
+
+
 def test_compiled_division_relu_signs_on_conv1d_maps():
     # rank-3 ReLU outputs of Conv1d maps: coded without their sign mask, ReLU's backward leaked
     # gradient (relative error 0.19 at 8 bits, eager 0.0005)

@@ -531,6 +531,21 @@ def test_a_storage_held_as_is_gets_no_copy_beside_it():
     assert meter.saved_bytes <= meter.exact_bytes
     assert meter.by_route()["division"]["count"] == 1  # the batch, the first conv's input
 
+    class Logged(nn.Module):  # a statistic taken with grad on: its graph (and save) freed at once
+        def __init__(self):
+            super().__init__()
+            self.a, self.relu, self.b = model[0], nn.ReLU(), model[3]
+
+        def forward(self, x):
+            h = self.relu(self.a(x))
+            self.mean = h.abs().mean().item()
+            return self.b(h)
+
+    logged = Logged()
+    with compress(logged, "division", block=4, bits=2) as meter:
+        logged(x)
+    assert meter.by_route()["division"]["count"] == 2  # nothing holds h as is any more
+
 
 def test_a_functional_relu_is_routed_as_the_module():
     # F.relu / torch.relu save their output as nn.ReLU does: a 1-bit mask, and the next layer's

@@ -124,6 +124,27 @@ def test_a_run_directory_left_empty_is_removed_with_its_lock(tmp_path):
     assert not out.exists()
 
 
+def test_a_lock_on_a_lock_file_removed_meanwhile_is_taken_again(tmp_path, monkeypatch):
+    # B opens RUN/.lock, A (which wrote nothing) removes it with the folder, B locks the removed
+    # file: a lock on nothing, while C would lock a new one; B must take the path's lock again
+    run = RunDir(tmp_path / "run")
+    with run.lock():
+        stale = os.open(run.lock_path, os.O_RDWR)  # B's open, before A's block ends
+    assert not run.path.exists()
+    real_open, opened = os.open, []
+
+    def b_open(path, *args):
+        opened.append(path)
+        return stale if len(opened) == 1 else real_open(path, *args)
+
+    monkeypatch.setattr(rundir.os, "open", b_open)
+    with run.lock():
+        assert run.lock_path.exists() and len(opened) == 2
+        with pytest.raises(rundir.RunDirBusy):  # C
+            with RunDir(run.path).lock():
+                pass
+
+
 def test_lock_of_a_killed_process_does_not_block(tmp_path):
     """flock dies with its process: a crashed (SIGKILLed) writer leaves no blocking lock."""
     run = RunDir(tmp_path / "run")

@@ -284,6 +284,8 @@ class _Compress:
         # storage ptr -> (storage weakref, layer site it is charged to), as plain PyTorch holds it
         self._owner: dict[int, tuple] = {}
         self._held_seen: dict[int, weakref.ref] = {}  # storage ptr -> storage (held as is)
+        # storage ptr -> (storage ref, ref of a packed form holding it as is)
+        self._kept: dict[int, tuple] = {}
         # outputs rebuilt from their packed inputs: under the full `division` codec only
         self._recompute = Recomputer(_unpack) if type(self.codec) is Division else None
         try:
@@ -316,10 +318,11 @@ class _Compress:
 
     def _install(self) -> None:
         if self._graph is not None:  # a compiled model: the codec runs inside its graphs
+            # the meter first: a failure there leaves no hooks behind (`_release` removes it)
+            self._handles.append(graph_meter.attach(self.model,
+                                                    graph_meter.Charger(self.meter, self.model)))
             self._hooks = compiled.installed(self._graph)
             self._hooks.__enter__()
-            self._handles.append(graph_meter.attach(self.model, graph_meter.Charger(
-                self.meter, type(getattr(self.model, "_orig_mod", self.model)).__name__)))
             return
         for site in self._sites:
             try:
@@ -342,7 +345,7 @@ class _Compress:
         self._handles, self._stack, self._dedup = [], [], {}
         if self._recompute is not None:  # the tracker's on_return still refers to it
             self._recompute.clear()
-        self._owner, self._held_seen, self._recompute = {}, {}, None
+        self._owner, self._held_seen, self._kept, self._recompute = {}, {}, {}, None
         with _HOOKED_LOCK:
             self._unclaim_locked()
         _ACTIVE.on = False
@@ -395,10 +398,10 @@ class _Compress:
         if self._params.derived(t, ptr, site.module):
             return _encode(PARAMETER, t)
         route, view = route_for(site, self._describe(t, x, func))
-        held = self._held_seen.get(ptr)
-        if route.copies and held is not None and held() is storage:
-            # the storage is held as is already (another save's rule keeps it: include= leaving
-            # that module out): a copy beside it would hold more than plain PyTorch, for nothing
+        kept = self._kept.get(ptr)
+        if route.copies and kept is not None and kept[0]() is storage and kept[1]() is not None:
+            # a save still holds the storage as is (another rule keeps it: include= leaving that
+            # module out): a copy beside it would hold more than plain PyTorch, for nothing
             route, view = KEEP, None
         recipe = (self._recompute.recipe_for(t, storage, ptr, route)
                   if route.copies and self._recompute is not None else None)
@@ -424,6 +427,8 @@ class _Compress:
                 shared.uses += 1
         else:
             packed = _encode(route, t, view)
+            if not route.copies:
+                self._kept[ptr] = (weakref.ref(storage), weakref.ref(packed))
         self._dedup[key] = (weakref.ref(storage), weakref.ref(packed))
         held = self._held_bytes(route, packed, ptr, storage)
         self.meter._charge(owner[1].name, owner[1].type_name, route.label, held, owner[2])

@@ -96,8 +96,13 @@ class Charger:
         meter: the block's meter; model_type: the model's class name (rows without a module).
     """
 
-    def __init__(self, meter: Meter, model_type: str) -> None:
-        self.meter, self.model_type = meter, model_type
+    def __init__(self, meter: Meter, model: nn.Module) -> None:
+        inner = getattr(model, "_orig_mod", model)
+        self.meter, self.model_type = meter, type(inner).__name__
+        # the storages of the model's parameters and buffers, frozen ones included: not
+        # activation memory where a region that runs eagerly saves them
+        self._state = {t.untyped_storage().data_ptr()
+                       for t in (*inner.parameters(), *inner.buffers())}
         # compiled graphs' autograd nodes already charged in this block (weakly: a forward
         # dropped inside the block frees its graph and packed forms at once, as without the meter)
         self._charged: weakref.WeakSet = weakref.WeakSet()
@@ -125,13 +130,16 @@ class Charger:
 
     def eager(self, t: torch.Tensor) -> None:
         """Charge t, saved where the model runs eagerly and kept, to the model's row (its
-        storage once; parameters and their views, and tensors without storage, never)."""
+        storage once; the model's parameters and buffers, other leaves requiring grad, their
+        views, and tensors without storage, never)."""
         base = t._base if t._base is not None else t
-        if base.requires_grad and base.grad_fn is None:  # a parameter or a view of one
+        if base.requires_grad and base.grad_fn is None:  # a leaf such as a parameter, or a view
             return
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
+            return
+        if storage.data_ptr() in self._state:
             return
         self.meter._record("", self.model_type, "kept")
         ref = self._kept.get(storage.data_ptr())
