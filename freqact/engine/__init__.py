@@ -47,8 +47,10 @@ are untouched, and all hooks are removed on exit; only the meter survives the `w
 Non-finite values stay visible, never turn into finite garbage: a NaN/Inf in a map the codec
 stores makes that map decode non-finite (all NaN for division, division-no-lfc and quant, see
 docs/ARCHITECTURE.md; its block for division-no-hfc; the DCT spreads it for lfc/hfc), so gradients
-that read it come out NaN as in plain PyTorch; the 1-bit masks treat NaN exactly as PyTorch's own
-backward does (NaN > 0 is false). A zero-size batch saves nothing and is kept as is.
+that read it come out NaN as in plain PyTorch; the 1-bit masks treat NaN as PyTorch's own
+backward does (NaN > 0 is false), except ReLU's: a NaN output gets bit 0, so its gradient is
+zero there, where PyTorch's backward (`out <= 0` is false for NaN) passes it (the loss downstream
+is NaN either way). A zero-size batch saves nothing and is kept as is.
 A functional ReLU's own save is told from a later op's save of the same output by the torch
 function running (`engine.tracker`: `relu` then, the next op's name later).
 
