@@ -300,8 +300,12 @@ def test_compiled_refused_combinations():
     in_place = _net()
     in_place.compile()  # dynamo traced the hooks as Python there: an empty meter, wrong grads
     for codec in ("division", "exact"):
-        with pytest.raises(ValueError, match=r"^model: compiled in place \(model.compile\(\)\)"):
+        with pytest.raises(ValueError, match=r"^model: '\(model\)' is compiled in place"):
             freqact.compress(in_place, codec)
+    part = _net()
+    part[0].compile()  # inside a torch.compile(model): its frames trace the hooks alike
+    with pytest.raises(ValueError, match=r"^model: '0' is compiled in place"):
+        freqact.compress(torch.compile(part), "division")
 
 
 @pytest.mark.slow

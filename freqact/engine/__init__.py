@@ -31,8 +31,8 @@ tensor autograd saves is routed by that module and by what the tensor is:
   token (`tile/tok`); SDPA on the CPU flash kernel or the MATH backend: q/k/v packed, the rest
   recomputed in backward (`attention`, `sdpa_math`); elsewhere SDPA q/k, causal or masked
   attention and statistics stay exact;
-- anything else (tensors under 4096 elements saved by ops, statistics), float8, sparse and nested
-  tensors, and tensors whose packed form would not be smaller: kept as is (sparse and nested ones
+- anything else (tensors under 4096 elements saved by ops, statistics), float8, sparse, nested and
+  meta tensors, and tensors whose packed form would not be smaller: kept as is (sparse and nested ones
   are not counted in bytes); a storage one save keeps as is is kept for every later save of it
   (a coded copy beside it would hold more than plain PyTorch).
 

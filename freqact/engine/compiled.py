@@ -74,10 +74,14 @@ def spec_for(model: nn.Module, codec: Codec, include, exclude) -> GraphCodec | N
                              f"model; compress the whole compiled model (torch.compile(model)) "
                              f"or none of it compiled")
         return None
-    if getattr(model, "_compiled_call_impl", None) is not None:
-        raise ValueError("model: compiled in place (model.compile()), which compress does not "
-                         "support (dynamo traces the saved-tensor hooks there as Python code, "
-                         "outside the graphs); compress torch.compile(model) instead")
+    inner = getattr(model, "_orig_mod", model)
+    in_place = next((name or "(model)" for name, m in inner.named_modules()
+                     if getattr(m, "_compiled_call_impl", None) is not None), None)
+    if in_place is not None:
+        raise ValueError(f"model: {in_place!r} is compiled in place (module.compile()), which "
+                         f"compress does not support (dynamo traces the saved-tensor hooks there "
+                         f"as Python code, outside the graphs); compress torch.compile(model) "
+                         f"of a model without in-place compiled modules instead")
     if include is not None or exclude is not None:
         raise ValueError("include/exclude: not supported for a compiled model (inside a graph "
                          "the saved tensors do not say which module saved them); compress the "

@@ -160,12 +160,14 @@ def _softmax_input(node, depth: int = 4) -> bool:
 
 
 def _smaller(spec, t: torch.Tensor, chosen: GraphRoute) -> bool:
-    """Whether the packed form holds fewer bytes than t (1-element maps do not: 7 B vs 4)."""
+    """Whether the packed form, a ReLU output's 1-bit mask included, holds fewer bytes than t
+    (1-element maps do not: 7 B vs 4)."""
     codec = graph_ops.layout_codec(chosen.layout or FEATURES, spec.block, spec.bits,
                                    spec.backend)
     codec, shape = (codec, chosen.view) if chosen.layout else (codec.division, tuple(t.shape))
     n = packed_nbytes(codec, shape)
-    return n is not None and n < t.numel() * t.element_size()
+    mask = -(-t.numel() // 8) if chosen.positive else 0
+    return n is not None and n + mask < t.numel() * t.element_size()
 
 
 def _val(node) -> torch.Tensor | None:

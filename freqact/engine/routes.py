@@ -560,8 +560,9 @@ def route_for(site: Site, saved: Saved) -> tuple[Route, tuple[int, ...] | None]:
 def _chosen(site: Site, saved: Saved) -> Route:
     """The route a rule picks for `saved`, before the size and acceptance checks (KEEP: none)."""
     t = saved.tensor
-    # An empty tensor (a zero-size batch) holds no bytes to save; codecs refuse it.
-    if t.numel() == 0 or t.layout != torch.strided:
+    # An empty tensor (a zero-size batch) or a meta one (shape-only tracing) holds no bytes to
+    # save; codecs refuse the one and cannot read the other.
+    if t.numel() == 0 or t.layout != torch.strided or t.device.type == "meta":
         return KEEP
     if site.kind is Kind.MAXPOOL and t.dtype == torch.int64 and saved.input is not None:
         return _maxpool_indices(site, saved)

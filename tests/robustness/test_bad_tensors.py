@@ -125,6 +125,18 @@ def test_zero_size_batch():
     assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
 
 
+def test_meta_tensors_are_kept_not_coded():
+    # shape-only tracing on the meta device: the codec cannot read the values (it raised
+    # "Tensor.item() cannot be called on meta tensors"); kept, the step runs as plain PyTorch's
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)).to("meta")
+    x = torch.randn(8, 65, 64, device="meta")
+    with freqact.compress(model, "division") as meter:
+        out = model(x)
+    out.sum().backward()
+    assert model[0].weight.grad.shape == (64, 64) and model[0].weight.grad.is_meta
+    assert set(meter.by_route()) == {"kept"}
+
+
 def _block_means64(x: torch.Tensor, block: int) -> np.ndarray:
     """float64 oracle: means of B x B blocks, edge blocks over what they cover."""
     a = x.double().numpy()
