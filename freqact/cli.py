@@ -111,22 +111,13 @@ def _json_object(value: str) -> dict:
 
 def _unset_codec_flags(args: argparse.Namespace) -> set[str]:
     """The codec settings not given on the command line; a codec flag (or --include/--exclude)
-    that the mode does not use is refused."""
-    from freqact import codecs, train
+    that the mode does not use is refused (`runconfig.refuse_unused`)."""
+    from freqact import codecs, runconfig, train
 
-    used = [s.name for s in train.mode_settings(args.mode)]
-    unset = set()
-    for setting in codecs.mode_settings():
-        if getattr(args, setting.name) is None:
-            unset.add(setting.name)
-        elif setting.name not in used:
-            flags = ", ".join(_flag(name) for name in used) or "none"
-            raise UsageError(f"{_flag(setting.name)}: mode {args.mode!r} does not use it (its "
-                             f"settings: {flags})")
-    for name in train.SELECTORS:
-        if args.mode == "normal" and getattr(args, name) is not None:
-            raise UsageError(f"--{name}: mode 'normal' does not use it (it compresses nothing)")
-    return unset
+    names = [s.name for s in codecs.mode_settings()] + list(train.SELECTORS)
+    runconfig.refuse_unused(args.mode, [n for n in names if getattr(args, n) is not None],
+                            name_of=_flag)
+    return {s.name for s in codecs.mode_settings() if getattr(args, s.name) is None}
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -46,6 +46,29 @@ def mode_settings(mode: str) -> tuple[Setting, ...]:
     return () if mode == "normal" else codecs.codec_class(mode).settings
 
 
+def refuse_unused(mode: str, given, name_of=str) -> None:
+    """Refuse settings `mode` does not use among the names in `given`: codec settings outside
+    `mode_settings(mode)`, and include/exclude under `normal` (it compresses nothing). The
+    command line and sweep specs check alike (a normal run given bits ran as a plain one).
+
+    Args:
+        name_of: how a setting is named in the error (the command line's flags: "--bits").
+
+    Raises:
+        UsageError: naming the first such setting and the mode's own.
+    """
+    used = [s.name for s in mode_settings(mode)]
+    codec_settings = {s.name for s in codecs.mode_settings()}
+    for name in given:
+        if name in SELECTORS and mode == "normal":
+            raise UsageError(f"{name_of(name)}: mode 'normal' does not use it (it compresses "
+                             f"nothing)")
+        if name in codec_settings and name not in used:
+            flags = ", ".join(name_of(n) for n in used) or "none"
+            raise UsageError(f"{name_of(name)}: mode {mode!r} does not use it (its settings: "
+                             f"{flags})")
+
+
 @dataclasses.dataclass
 class _Identity:
     model: str = "resnet20"

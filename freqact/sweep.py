@@ -436,19 +436,14 @@ def _config(fields: dict, where: str) -> train.RunConfig:
     """RunConfig(**fields) with the model name checked and, as on the command line, no setting
     the mode does not use (a normal run given bits, a grid over ratio for division: runs that
     differ in name only); errors say which part of the spec."""
-    from freqact import codecs, models
+    from freqact import models, runconfig
 
     try:
         if "model" in fields:
             _validate.choice("model", fields["model"], tuple(models.names()))
-        mode = fields.get("mode", train.RunConfig.mode)
-        used = [s.name for s in train.mode_settings(mode)] if mode in train.MODES else []
-        for name in [s.name for s in codecs.mode_settings()] + list(train.SELECTORS):
-            if name in fields and fields[name] is not None and name not in used and (
-                    name not in train.SELECTORS or mode == "normal"):
-                raise ValueError(f"{name}: mode {mode!r} does not use it (its settings: "
-                                 f"{', '.join(used) or 'none'})")
-        return train.RunConfig(**fields)
+        config = train.RunConfig(**fields)  # checks the mode first
+        runconfig.refuse_unused(config.mode, [k for k, v in fields.items() if v is not None])
+        return config
     except (ValueError, TypeError) as err:
         raise type(err)(f"{where}: {err}") from err
 

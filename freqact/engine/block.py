@@ -283,9 +283,8 @@ class _Compress:
         self._dedup: dict[tuple, tuple] = {}
         # storage ptr -> (storage weakref, layer site it is charged to), as plain PyTorch holds it
         self._owner: dict[int, tuple] = {}
-        self._held_seen: dict[int, weakref.ref] = {}  # storage ptr -> storage (held as is)
-        # storage ptr -> (storage ref, ref of a packed form holding it as is)
-        self._kept: dict[int, tuple] = {}
+        # storage ptr -> (storage ref, ref of the latest packed form holding it as is)
+        self._held: dict[int, tuple] = {}
         # outputs rebuilt from their packed inputs: under the full `division` codec only
         self._recompute = Recomputer(_unpack) if type(self.codec) is Division else None
         try:
@@ -319,8 +318,8 @@ class _Compress:
     def _install(self) -> None:
         if self._graph is not None:  # a compiled model: the codec runs inside its graphs
             # the meter first: a failure there leaves no hooks behind (`_release` removes it)
-            self._handles.append(graph_meter.attach(self.model,
-                                                    graph_meter.Charger(self.meter, self.model)))
+            self._handles.append(graph_meter.attach(self.model, graph_meter.Charger(
+                self.meter, self.model, self._params)))
             self._hooks = compiled.installed(self._graph)
             self._hooks.__enter__()
             return
@@ -345,7 +344,7 @@ class _Compress:
         self._handles, self._stack, self._dedup = [], [], {}
         if self._recompute is not None:  # the tracker's on_return still refers to it
             self._recompute.clear()
-        self._owner, self._held_seen, self._kept, self._recompute = {}, {}, {}, None
+        self._owner, self._held, self._recompute = {}, {}, None
         with _HOOKED_LOCK:
             self._unclaim_locked()
         _ACTIVE.on = False
@@ -398,8 +397,8 @@ class _Compress:
         if self._params.derived(t, ptr, site.module):
             return _encode(PARAMETER, t)
         route, view = route_for(site, self._describe(t, x, func))
-        kept = self._kept.get(ptr)
-        if route.copies and kept is not None and kept[0]() is storage and kept[1]() is not None:
+        as_is = self._held.get(ptr)
+        if route.copies and as_is is not None and as_is[0]() is storage and as_is[1]() is not None:
             # a save still holds the storage as is (another rule keeps it: include= leaving that
             # module out): a copy beside it would hold more than plain PyTorch, for nothing
             route, view = KEEP, None
@@ -427,8 +426,6 @@ class _Compress:
                 shared.uses += 1
         else:
             packed = _encode(route, t, view)
-            if not route.copies:
-                self._kept[ptr] = (weakref.ref(storage), weakref.ref(packed))
         self._dedup[key] = (weakref.ref(storage), weakref.ref(packed))
         held = self._held_bytes(route, packed, ptr, storage)
         self.meter._charge(owner[1].name, owner[1].type_name, route.label, held, owner[2])
@@ -457,9 +454,8 @@ class _Compress:
     def _held_bytes(self, route: Route, packed: _Packed, ptr: int, storage) -> int:
         if route.copies:
             return packed.data.nbytes
-        # Held as is: the storage counts once, however many routes keep it.
-        ref = self._held_seen.get(ptr)
-        if ref is not None and ref() is storage:
-            return 0
-        self._held_seen[ptr] = weakref.ref(storage)
-        return storage.nbytes()
+        # Held as is: the storage counts once, however many routes keep it (and while a form
+        # holding it lives, later saves of it are kept too: `_packed_form`).
+        entry = self._held.get(ptr)
+        self._held[ptr] = (weakref.ref(storage), weakref.ref(packed))
+        return 0 if entry is not None and entry[0]() is storage else storage.nbytes()

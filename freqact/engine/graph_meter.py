@@ -8,7 +8,7 @@ model inside the block (`Charger`), its output's autograd graph is searched for 
 nodes, and each node's plan is charged once. Graph inputs (parameters, the batch) are not in the
 plans (the hooks never see them, and they are not activation memory). A tensor saved where the
 model runs eagerly (past a graph break) is kept; it is charged to the model's row as it is saved
-(`charge_eager`), each storage once, parameters and their views not at all.
+(`charge_eager`), each storage once, parameters and what derives from them not at all.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from freqact.engine.meter import Meter
+from freqact.engine.params import ParamIndex
 
 __all__ = ["Charger", "PlanRow", "attach", "charge_eager", "plan"]
 
@@ -96,13 +97,12 @@ class Charger:
         meter: the block's meter; model_type: the model's class name (rows without a module).
     """
 
-    def __init__(self, meter: Meter, model: nn.Module) -> None:
-        inner = getattr(model, "_orig_mod", model)
-        self.meter, self.model_type = meter, type(inner).__name__
-        # the storages of the model's parameters and buffers, frozen ones included: not
+    def __init__(self, meter: Meter, model: nn.Module, params: ParamIndex) -> None:
+        self._model = getattr(model, "_orig_mod", model)
+        self.meter, self.model_type = meter, type(self._model).__name__
+        # the block's index of the model's parameters and buffers (frozen ones included): not
         # activation memory where a region that runs eagerly saves them
-        self._state = {t.untyped_storage().data_ptr()
-                       for t in (*inner.parameters(), *inner.buffers())}
+        self._params = params
         # compiled graphs' autograd nodes already charged in this block (weakly: a forward
         # dropped inside the block frees its graph and packed forms at once, as without the meter)
         self._charged: weakref.WeakSet = weakref.WeakSet()
@@ -130,16 +130,13 @@ class Charger:
 
     def eager(self, t: torch.Tensor) -> None:
         """Charge t, saved where the model runs eagerly and kept, to the model's row (its
-        storage once; the model's parameters and buffers, other leaves requiring grad, their
-        views, and tensors without storage, never)."""
-        base = t._base if t._base is not None else t
-        if base.requires_grad and base.grad_fn is None:  # a leaf such as a parameter, or a view
-            return
+        storage once; the model's parameters and buffers, their views and copies, and tensors
+        without storage, never: as the eager engine's `ParamIndex.derived` tells them)."""
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
             return
-        if storage.data_ptr() in self._state:
+        if self._params.derived(t, storage.data_ptr(), self._model):
             return
         self.meter._record("", self.model_type, "kept")
         ref = self._kept.get(storage.data_ptr())

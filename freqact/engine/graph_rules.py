@@ -115,7 +115,7 @@ def _chosen(t: torch.Tensor, node, context) -> GraphRoute:
     if sdpa is not None:
         if sdpa and t.dim() == 4:
             return _layout(ATTENTION, token_view(tuple(t.shape), heads=True))
-        return COPY if t.dim() == 4 and not t.is_contiguous() else _kept(t)
+        return _kept(t)  # a q or k view of the qkv output: a copy (the v part is coded)
     if _softmax_input(node):
         return _kept(t)
     relu = getattr(node, "target", None) is torch.ops.aten.relu.default
