@@ -751,6 +751,19 @@ def test_batchnorm1d_on_features_keeps_gradients(batch):
         assert _rel_grad_error(model, torch.randn(batch, 16)) < 2
 
 
+@pytest.mark.parametrize("codec", ["exact", "cloning"])
+@pytest.mark.parametrize("shape", [(16, 16), (4, 48)])
+def test_batchnorm1d_on_features_lossless_is_bitwise(codec, shape):
+    # Under `exact` the (N, C) channels route held the tensor as is but unpacked it transposed:
+    # wrong gradients when N == C, a shape error in backward otherwise.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(shape[1], shape[1]), nn.BatchNorm1d(shape[1]))
+    x = torch.randn(shape)
+    plain = _grads(model, x)
+    _, got = _exact_run(model, x, Cloning() if codec == "cloning" else codec)
+    _assert_bitwise(plain, got)
+
+
 def _channels_last_net() -> nn.Module:
     """Every route that decodes a 4D tensor: codec, masks, max-pool indices, shape-only."""
     return nn.Sequential(

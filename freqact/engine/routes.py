@@ -161,9 +161,11 @@ class Routes:
             codec, "feat/tok")
         tokens, features, grids = (_layout_route(name, codec, *blocks) for name, blocks in (
             ("tokens", TOKEN_LAYOUT), ("features", FEATURE_LAYOUT), ("features", GRID_LAYOUT)))
+        whole = Route("codec", codec)
         return cls(
-            codec=Route("codec", codec),
-            channels=Route("codec", codec, channels=True),
+            codec=whole,
+            # a lossless codec holds the tensor itself: nothing is transposed
+            channels=Route("codec", codec, channels=True) if whole.copies else whole,
             masks=masks,
             relu=_RELU_MASK if masks else KEEP,
             sign=_SIGN_MASK if masks else KEEP,
