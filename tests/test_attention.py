@@ -1,6 +1,8 @@
 """engine/attention.py: SDPA packed as a unit (q, k, v coded; out, logsumexp recomputed)."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -457,6 +459,26 @@ def test_math_path_under_autocast_reruns_on_the_decoded_float32_inputs(monkeypat
         F.scaled_dot_product_attention(*hats, attn_mask=bias).sum().backward()
     for g, h in zip((q.grad, k.grad, v.grad, model.bias.grad), (*hats, bias)):
         torch.testing.assert_close(g, h.grad.bfloat16().float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_mixed_dtypes_under_autocast_are_routed_as_before_the_rerun(causal):
+    # Rotary embeddings make q and k float32 while v stays bfloat16 (HF Llama, Mistral under
+    # CPU autocast): SDPA casts them to one dtype inside the op, unseen by the hooks, where the
+    # rerun chose the MATH backend on the mixed inputs and raised in backward
+    model = Attend(is_causal=causal)
+    q, k, v = _qkv(7, (4, 2, 64, 32))
+    grads = []
+    for codec in (None, "division"):
+        for t in (q, k, v):
+            t.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16), (
+                freqact.compress(model, codec) if codec else contextlib.nullcontext()):
+            out = model(q, k, v.bfloat16())
+        out.float().sum().backward()
+        grads.append(torch.cat([t.grad.flatten() for t in (q, k, v)]))
+    plain, coded = grads
+    assert torch.isfinite(coded).all() and _rel([coded], [plain]) < 1
 
 
 def test_held_mask_keeps_the_values_in_the_fewest_bytes():

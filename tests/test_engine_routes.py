@@ -43,6 +43,27 @@ def test_linear_on_a_transposed_token_view_is_compressed():
     assert set(meter.by_route()) == {"division tile/chan"} and meter.ratio > 10
 
 
+class _MatmulLinear(nn.Linear):
+    """A Linear computing x @ W.T itself, as HF's FalconLinear does."""
+
+    def forward(self, x):
+        return x @ self.weight.T + self.bias
+
+
+def test_a_linear_computing_its_own_matmul_is_routed_as_a_linear():
+    # matmul's operands were kept (the rule for eager attention's q, k, v): 1.7x, not 21x
+    x = torch.randn(4, 64, 64, requires_grad=True)
+    routes = {}
+    for cls in (nn.Linear, _MatmulLinear):
+        torch.manual_seed(0)
+        model = nn.Sequential(cls(64, 256), nn.GELU(), cls(256, 64))
+        routes[cls] = _routes(model, x)
+    assert routes[_MatmulLinear] == routes[nn.Linear]
+    assert "division tile/chan" in routes[nn.Linear] and "kept" not in routes[nn.Linear]
+    # q @ k^T inside an attention module (not a Linear) still keeps its operands
+    assert set(_routes(Fn(lambda t: t @ t.transpose(1, 2)), x)) == {"kept"}
+
+
 def test_functional_rmsnorm_and_layernorm_inputs_go_tile_tok():
     def rms(x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)

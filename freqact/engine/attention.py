@@ -94,7 +94,10 @@ class SdpaCall:
         """q, k, v can all be packed: distinct CPU tensors of rank >= 3, smaller packed."""
         if not all(isinstance(a, torch.Tensor) for a in (q, k, v)) or q.dim() < 3:
             return False
-        if q.device.type != "cpu" or kwargs.get("enable_gqa", False):
+        # q, k, v of mixed dtypes ran under autocast, which casts them to one inside the op,
+        # where the hooks see autocast off: a rerun on them would choose and save otherwise
+        if q.device.type != "cpu" or kwargs.get("enable_gqa", False) or not (
+                q.dtype == k.dtype == v.dtype):
             return False
         if q.numel() < min_elements or any(same_view(a, b) for a, b in ((q, k), (q, v), (k, v))):
             return False

@@ -35,6 +35,7 @@ from torch import nn
 
 from freqact.codecs.base import Codec, Exact, ExactPacked
 from freqact.engine import graph_meter, graph_ops, graph_rules
+from freqact.engine.moments import token_moments, with_moments
 
 __all__ = ["GRAPH_CODECS", "THRESHOLD", "GraphCodec", "graph_hooks", "installed", "is_compiled",
            "spec_for"]
@@ -133,8 +134,9 @@ def _graph_pack(t: torch.Tensor, name: str, block: int, bits: int, backend: str,
     Returns:
         Traced: t itself when kept (AOTAutograd then leaves the saved tensor alone),
         (lfc, lo, step, codes, shape, dtype) for division, (lfc, lo, step, codes, view, dtype,
-        layout, shape) for a token layout (either plus a 1-bit `> 0` mask for a ReLU output),
-        (bits, shape) for a boolean mask. Eager: `Exact`'s packed form.
+        layout, shape) for a token layout (either plus a 1-bit `> 0` mask for a ReLU output; a
+        norm's layout then its tokens' mean and std, `engine.moments`), (bits, shape) for a
+        boolean mask. Eager: `Exact`'s packed form.
     """
     spec = GraphCodec(name, block, bits, backend, threshold)
     if not _is_fake(t):
@@ -170,8 +172,9 @@ def _traced_pack(spec: GraphCodec, t: torch.Tensor, context: dict | None):
     if chosen.layout:  # a token view in an eager route's layout
         parts = torch.ops.freqact.layout_encode(t, list(chosen.view), chosen.layout, spec.block,
                                                 spec.bits, seed, spec.backend)
-        return (*parts, list(chosen.view), t.dtype, chosen.layout, tuple(t.shape),
-                *positive), chosen.name
+        stats = token_moments(t.reshape(chosen.view)) if chosen.moments else ()
+        return (*parts, list(chosen.view), t.dtype, chosen.layout, tuple(t.shape), *positive,
+                *stats), chosen.name
     parts = torch.ops.freqact.division_encode(t, spec.block, spec.bits, None, seed,
                                               spec.backend)
     return (*parts, tuple(t.shape), t.dtype, *positive), chosen.name
@@ -238,14 +241,15 @@ def _graph_unpack(packed, name: str, block: int, bits: int, backend: str, thresh
         return _EXACT.decode(packed)
     if len(packed) == 2:  # a boolean mask
         return unpack_bits(*packed)
-    if len(packed) in (8, 9):  # a token view in a layout (with a ReLU output's mask)
+    if len(packed) >= 8:  # a token view in a layout (with a ReLU output's mask, a norm's moments)
         *parts, view, dtype, layout, shape = packed[:8]
-        x = torch.ops.freqact.layout_decode(*parts, view, dtype, layout, block, bits,
-                                            backend).view(shape)
-        if len(packed) == 8:
+        positive = packed[8] if len(packed) in (9, 11) else None
+        x = torch.ops.freqact.layout_decode(*parts, view, dtype, layout, block, bits, backend)
+        x = (with_moments(x, *packed[-2:]) if len(packed) >= 10 else x).view(shape)
+        if positive is None:
             return x
         # as `division_decode`'s positive: exactly zero where it was, positive elsewhere
-        return torch.where(unpack_bits(packed[8], shape), x.clamp_min(torch.finfo(dtype).tiny), 0)
+        return torch.where(unpack_bits(positive, shape), x.clamp_min(torch.finfo(dtype).tiny), 0)
     lfc, lo, step, codes, shape, dtype, *positive = packed
     # a ReLU output (with its mask): exactly zero where it was, strictly positive elsewhere,
     # applied in the decode's own pass (as aten ops after it, Inductor's scalar loop over the

@@ -32,6 +32,8 @@ give each saved tensor the eager routes' layout where it can tell (docs/ARCHITEC
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +74,12 @@ class GraphRoute:
     def positive(self) -> bool:
         """Whether a 1-bit `> 0` mask is held beside the coded values (a ReLU output)."""
         return self.name.startswith("relu-mask")
+
+    @property
+    def moments(self) -> bool:
+        """Whether each token's exact mean and standard deviation are held too (norm inputs and
+        outputs, as the eager `NormLayout`: `engine.moments`)."""
+        return self.layout == TOKENS
 
 
 KEPT, COPY, MASK = GraphRoute("kept"), GraphRoute("kept copy"), GraphRoute("mask")
@@ -167,7 +175,8 @@ def _smaller(spec, t: torch.Tensor, chosen: GraphRoute) -> bool:
     codec, shape = (codec, chosen.view) if chosen.layout else (codec.division, tuple(t.shape))
     n = packed_nbytes(codec, shape)
     mask = -(-t.numel() // 8) if chosen.positive else 0
-    return n is not None and n + mask < t.numel() * t.element_size()
+    moments = 8 * math.prod(chosen.view[:-1]) if chosen.moments else 0
+    return n is not None and n + mask + moments < t.numel() * t.element_size()
 
 
 def _val(node) -> torch.Tensor | None:

@@ -30,6 +30,7 @@ from freqact.codecs.cheap import (
 from freqact.codecs.division import Division
 from freqact.engine.attention import ROLES, SdpaCall, same_view, setting
 from freqact.engine.layouts import GROUP_TOKENS, TokenLayout, packed_nbytes, token_view
+from freqact.engine.moments import NormLayout
 
 __all__ = ["DEFAULT_TYPES", "Kind", "Route", "Routes", "Saved", "Site", "choose", "kind_of",
            "route_for", "view_shape"]
@@ -159,8 +160,10 @@ class Routes:
         # The token layouts need the full division form; other codecs read the feat/tok view
         chan, layout = (TokenLayout(codec), "feat/chan") if type(codec) is Division else (
             codec, "feat/tok")
-        tokens, features, grids = (_layout_route(name, codec, *blocks) for name, blocks in (
-            ("tokens", TOKEN_LAYOUT), ("features", FEATURE_LAYOUT), ("features", GRID_LAYOUT)))
+        tokens, features, grids = (_layout_route(name, codec, *blocks, layout_cls=cls_)
+                                   for name, blocks, cls_ in (
+            ("tokens", TOKEN_LAYOUT, NormLayout), ("features", FEATURE_LAYOUT, TokenLayout),
+            ("features", GRID_LAYOUT, TokenLayout)))
         whole = Route("codec", codec)
         return cls(
             codec=whole,
@@ -177,16 +180,19 @@ class Routes:
 
 
 # Measured in docs/ARCHITECTURE.md ("Layouts for token tensors"): 64-element blocks, > 8x.
-TOKEN_LAYOUT = ("tile", "tok")  # norm inputs: min/step per token (backward divides by its spread)
+TOKEN_LAYOUT = ("tile", "tok")  # norm inputs: min/step per token (backward divides by its spread;
+# `NormLayout`: their exact per-token moments held too)
 FEATURE_LAYOUT = ("tile", "chan")  # Linear/activation inputs: 8 tokens x 8 features, per channel
 GRID_LAYOUT = ("grid64", "chan")  # the same on (N, H, W, C) grids: 8 x 8 patches, per channel
 
 
-def _layout_route(name: str, codec: Codec, blocks: str, stats: str) -> Route:
-    """A token route in a `layouts` layout (`division`), else the codec's feat/tok view."""
+def _layout_route(name: str, codec: Codec, blocks: str, stats: str,
+                  layout_cls: type[TokenLayout]) -> Route:
+    """A token route in a `layouts` layout (`division`; `NormLayout` also holds each token's
+    moments), else the codec's feat/tok view."""
     if type(codec) is not Division:
         return Route(name, codec, layout="feat/tok")
-    return Route(name, TokenLayout(codec, blocks, stats), layout=f"{blocks}/{stats}")
+    return Route(name, layout_cls(codec, blocks, stats), layout=f"{blocks}/{stats}")
 
 
 @dataclass
@@ -474,6 +480,8 @@ def _matmul(site: Site, saved: Saved) -> Route:
         node = node.next_functions[0][0] if node.next_functions else None
     if node is not None and type(node).__name__ in _SOFTMAX_NODES:
         return _probabilities(site, saved, softmax=True)
+    if isinstance(site.module, nn.Linear) and saved.is_input:
+        return _linear(site, saved)  # a Linear computing x @ W.T itself (HF FalconLinear)
     return KEEP
 
 

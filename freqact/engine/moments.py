@@ -1,0 +1,91 @@
+"""Norm inputs decoded onto each token's exact mean and standard deviation.
+
+LayerNorm's backward normalises the saved input with the exact saved statistics, (x - mean) * rstd,
+and RMSNorm's with its exact rsqrt(mean(x^2) + eps): a decode error e on a token becomes e * rstd.
+A token whose own spread is far below its neighbours' (a zero-initialised class token at a
+model's first LayerNorm: HF DeiT, BEiT, YOLOS, ViTMAE from their configs) has rstd up to
+1/sqrt(eps) = 1e6, while the `tile/tok` layout's block means are shared with 7 neighbouring
+tokens, so its residual's range, and the noise it decodes with, is theirs: relative gradient
+errors of 1e6-1e9 (eager and compiled). Holding each token's exact mean and standard deviation
+(2 x float32 per token: 8 bytes, 8/(4 F) of the input) and moving the decode onto them,
+x~ = mean + (x^ - mean^) * std / std^ per token (mean^, std^ the decode's own), makes both
+statistics exact: a constant token decodes exactly, and no token's normalised decode has more
+than unit spread, whatever its rstd. The moments are float32 whatever x's dtype: a bf16 mean
+would itself be an error of 2^-9 |mean| that rstd multiplies.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from freqact.engine.layouts import LayoutPacked, TokenLayout
+
+__all__ = ["MomentsPacked", "NormLayout", "token_moments", "with_moments"]
+
+
+def token_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's mean and standard deviation (population) over the last dim, in float32.
+
+    Args:
+        x: (..., F) floating.
+
+    Returns:
+        (mean, std), each float32 of shape x.shape[:-1].
+    """
+    var, mean = torch.var_mean(x.float(), dim=-1, correction=0)
+    return mean, var.sqrt()
+
+
+def with_moments(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """x moved per token onto (mean, std): mean + (x - mean(x)) * std / std(x), computed in
+    float32 and returned in x's dtype; a token of x without spread (or of std 0) becomes mean.
+
+    Args:
+        x: (..., F) floating, the decode; mean, std: float32 of shape x.shape[:-1].
+    """
+    x32 = x.float()
+    own_mean, own_std = token_moments(x32)
+    scale = torch.where(own_std > 0, std / own_std, 0.0)
+    out = (x32 - own_mean.unsqueeze(-1)) * scale.unsqueeze(-1) + mean.unsqueeze(-1)
+    return out.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class MomentsPacked:
+    """A norm input in a token layout and its tokens' exact moments.
+
+    Attributes:
+        layout: the `TokenLayout` form of the encoded view (M, T, F).
+        mean, std: float32 (M, T): each token's mean and standard deviation over its F features.
+    """
+
+    layout: LayoutPacked
+    mean: torch.Tensor
+    std: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes + self.mean.nbytes + self.std.nbytes
+
+
+class NormLayout(TokenLayout):
+    """A `TokenLayout` whose decode holds each token's exact mean and standard deviation (the
+    module docstring): the route of per-token normalisations' inputs."""
+
+    def encode(self, x: torch.Tensor, noise: torch.Tensor | None = None,
+               seed: int | None = None, view: tuple[int, ...] | None = None) -> MomentsPacked:
+        """`TokenLayout.encode` (same arguments) and the moments of the encoded view."""
+        packed = super().encode(x, noise, seed, view)
+        return MomentsPacked(packed, *token_moments(x.reshape(packed.shape)))
+
+    def decode(self, packed: MomentsPacked) -> torch.Tensor:
+        """Returns: the layout's decode moved onto the held moments, of the view's shape."""
+        if not isinstance(packed, MomentsPacked):
+            raise TypeError(f"packed: expected a MomentsPacked, got {type(packed).__name__}")
+        return with_moments(super().decode(packed.layout), packed.mean, packed.std)
+
+    def nbytes_for(self, shape: tuple[int, ...]) -> int:
+        """Bytes of the packed form of a view of `shape`: the layout's and 8 per token."""
+        return super().nbytes_for(shape) + 8 * math.prod(shape[:-1])
