@@ -33,7 +33,6 @@ give each saved tensor the eager routes' layout where it can tell (docs/ARCHITEC
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import torch

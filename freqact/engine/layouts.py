@@ -213,9 +213,10 @@ class TokenLayout(Codec):
         (attention's (N, heads, T, d) as (N * heads, T, d): the fused kernels read it in
         place, where the reshape would copy a view of a qkv projection)."""
         shape = x.shape if view is None else torch.Size(view)
-        if shape.numel() != x.numel():
-            raise ValueError(f"view: expected a shape of x's {x.numel()} elements, got "
-                             f"{tuple(shape)}")
+        if shape.numel() != x.numel() or (view is not None and (
+                len(shape) not in (3, 4) or min(shape) < 1)):
+            raise ValueError(f"view: expected a (M, T, F) or (N, H, W, C) shape of x's "
+                             f"{x.numel()} elements, sizes >= 1, got {tuple(shape)}")
         cpu_gen, device_gen = _generators(seed, x.device)
         if not self._fused(x):
             return self._encode_torch(x.reshape(shape), noise, device_gen)
@@ -265,13 +266,15 @@ class TokenLayout(Codec):
         plan = self._geometry(packed.shape)
         geom, head = plan.geom, plan.head
         lfc, quant = packed.lfc, packed.quant  # their tensors: checked by cpu.token_decode
+        m, f = packed.shape[0], packed.shape[-1]
         if (not isinstance(lfc, LfcPacked) or not isinstance(quant, QuantPacked)
                 or lfc.shape != plan.view or lfc.block != plan.block
                 or quant.shape != geom.quant_shape
-                or (head > 0) != (packed.head is not None)):
+                or (head > 0) != (packed.head is not None)
+                or (head and (not isinstance(packed.head, DivisionPacked)
+                              or tuple(packed.head.shape) != (m, head, f)))):
             raise ValueError(f"packed: parts of shapes {tuple(lfc.shape)}, {tuple(quant.shape)} "
                              f"do not make a {self.layout} form of shape {tuple(packed.shape)}")
-        m, f = packed.shape[0], packed.shape[-1]
         out = torch.empty(m, head + geom.panel[1] * geom.panel[2], f)
         if head:
             out[:, :head] = kernels.division_decode(packed.head, backend=self.division._kernels)

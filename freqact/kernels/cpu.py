@@ -309,6 +309,11 @@ def encode(x: torch.Tensor, geom: Geometry, bits: int, noise: torch.Tensor | Non
     """
     lib = _lib()
     args = _geometry_args(geom, bits)
+    maps = (geom.n, geom.c, *geom.spatial)
+    for name, t in (("x", x), ("noise", noise)):
+        if t is not None and (tuple(as_maps(t).shape) != maps or t.device.type != "cpu"):
+            raise ValueError(f"{name}: expected maps {maps} on the CPU, got {tuple(t.shape)} "
+                             f"on {t.device}")
     xm = as_maps(x).float().contiguous()
     lfc = None if geom.block is None else torch.empty(geom.lfc_shape, dtype=torch.bfloat16)
     lo = torch.empty(geom.stat_shape, dtype=torch.bfloat16)
@@ -350,6 +355,12 @@ def decode(lfc: torch.Tensor | None, lo: torch.Tensor, step: torch.Tensor, codes
     """
     lib = _lib()
     args = _geometry_args(geom, bits)
+    cpu = torch.device("cpu")  # the C code reads as many bytes as geom says: checked first
+    if lfc is not None or geom.block is not None:
+        _check_part("lfc", lfc, torch.bfloat16, list(geom.lfc_shape), cpu)
+    for name, t in (("lo", lo), ("step", step)):
+        _check_part(name, t, torch.bfloat16, list(geom.stat_shape), cpu)
+    _check_part("codes", codes, torch.uint8, list(geom.codes_shape(bits)), cpu)
     out = torch.empty([geom.n, geom.c, *geom.spatial], dtype=torch.float32)
     tensors = [t.contiguous() for t in (lo, step, codes)]
     lfc = None if lfc is None else lfc.contiguous()
@@ -371,6 +382,10 @@ def decode(lfc: torch.Tensor | None, lo: torch.Tensor, step: torch.Tensor, codes
 def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     """As `reference.pack_codes`: uint8 codes (..., P) -> uint8 (..., ceil(P * bits / 8))."""
     lib = _lib()
+    bits = check_bits(bits)
+    if q.dtype != torch.uint8 or q.device.type != "cpu" or q.dim() < 1:
+        raise ValueError(f"q: expected uint8 codes (..., P) on the CPU, got {q.dtype} "
+                         f"{tuple(q.shape)} on {q.device}")
     q = q.contiguous()
     count = q.shape[-1]
     out = torch.empty((*q.shape[:-1], -(-count * bits // 8)), dtype=torch.uint8)
@@ -383,6 +398,14 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_codes(codes: torch.Tensor, count: int, bits: int) -> torch.Tensor:
     """As `reference.unpack_codes`: uint8 (..., ceil(count * bits / 8)) -> uint8 (..., count)."""
     lib = _lib()
+    bits = check_bits(bits)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"count: expected an integer >= 0, got {count!r}")
+    if (codes.dtype != torch.uint8 or codes.device.type != "cpu" or codes.dim() < 1
+            or codes.shape[-1] != -(-count * bits // 8)):
+        raise ValueError(f"codes: expected uint8 (..., {-(-count * bits // 8)}) on the CPU for "
+                         f"{count} {bits}-bit codes, got {codes.dtype} {tuple(codes.shape)} on "
+                         f"{codes.device}")
     codes = codes.contiguous()
     out = torch.empty((*codes.shape[:-1], count), dtype=torch.uint8)
     rows = codes.numel() // max(codes.shape[-1], 1)
@@ -407,6 +430,11 @@ def unpack_mask(packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype, off
     """As `reference.unpack_mask` for dtype float32 (the only one the dispatch sends here): a
     float32 CPU tensor of `shape`."""
     lib = _lib()
+    nbytes = -(-math.prod(shape) // 8)
+    if packed.dtype != torch.uint8 or packed.device.type != "cpu" or packed.numel() != nbytes:
+        raise ValueError(f"packed: expected {nbytes} uint8 bytes on the CPU for shape "
+                         f"{tuple(shape)}, got {packed.dtype} {tuple(packed.shape)} on "
+                         f"{packed.device}")
     packed = packed.contiguous()
     out = torch.empty(shape, dtype=torch.float32)
     lib.freqact_unpack_mask(_c_int64("numel", out.numel()), packed.data_ptr(), off, on,
@@ -450,6 +478,21 @@ class TokenGeometry:
         return (*maps, -(-count * bits // 8))
 
 
+def _blocks_fill_the_lfc(geom: TokenGeometry) -> bool:
+    """Whether block (i, j, k) -> i * lh + j * lw + k * lf maps the counts' blocks one to one
+    onto a sequence's lfc of prod(lfc_shape[1:]) entries (the C code steps a sequence's lfc by
+    the number of blocks, and writes each block's mean once): strides in mixed radix."""
+    per_sequence = math.prod(geom.lfc_shape[1:])
+    if per_sequence != math.prod(geom.counts) or min(geom.lfc_strides) < 0:
+        return False
+    span = 1
+    for stride, count in sorted((s, c) for s, c in zip(geom.lfc_strides, geom.counts) if c > 1):
+        if stride < span:
+            return False
+        span = stride * count
+    return span <= per_sequence
+
+
 @functools.lru_cache(maxsize=1024, typed=True)  # a few shapes per model; values checked once
 def _token_args(geom: TokenGeometry, bits: int, x_strides=(0, 1, 0, 0, 0, 0),
                 out_stride: int = 0):
@@ -463,16 +506,16 @@ def _token_args(geom: TokenGeometry, bits: int, x_strides=(0, 1, 0, 0, 0, 0),
         out_stride: the decode's output stride per sequence.
 
     Besides int64 range: bits in {1, 2, 4, 8} (the codes' row bytes follow from it), sizes and
-    extents positive, and every block's lfc index inside geom.lfc_shape (the C code indexes the
-    lfc with lfc_strides), so an inconsistent TokenGeometry is refused, never written past; the
+    extents positive, chan a bool (the C code branches on it being 1; the parts are sized by
+    it), and the blocks mapped one to one onto a sequence's lfc (`_blocks_fill_the_lfc`: the C
+    code indexes it with lfc_strides and steps it by the number of blocks), so an inconsistent
+    TokenGeometry is refused, never written past nor left unwritten; the
     sequences per group (the C code divides by it) positive and dividing M.
     """
     bits = check_bits(bits)
     m, h, w, f = geom.panel
-    per_sequence = math.prod(geom.lfc_shape[1:])
-    last = sum((c - 1) * s for c, s in zip(geom.counts, geom.lfc_strides))
-    if (min(h, w, f, *geom.extents) < 1 or m < 0 or geom.lfc_shape[0] != m
-            or min(geom.lfc_strides) < 0 or last >= per_sequence):
+    if (not isinstance(geom.chan, bool) or min(h, w, f, *geom.extents) < 1 or m < 0
+            or geom.lfc_shape[0] != m or not _blocks_fill_the_lfc(geom)):
         raise ValueError(f"geom: inconsistent token geometry {geom}")
     if len(x_strides) != 6 or x_strides[1] < 1 or m % x_strides[1]:
         raise ValueError(f"x: expected sequences in groups of a size dividing {m}, got strides "

@@ -265,9 +265,9 @@ def check_bits(bits: object) -> int:
 
 def _check_part(name: str, t: object, dtype: torch.dtype, shape: list[int],
                 device: torch.device | None) -> torch.device:
-    if not isinstance(t, torch.Tensor) or t.dtype != dtype:
-        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-        raise TypeError(f"packed.{name}: expected a {dtype} tensor, got {got}")
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.layout != torch.strided:
+        got = f"{t.dtype} {t.layout}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TypeError(f"packed.{name}: expected a dense {dtype} tensor, got {got}")
     if list(t.shape) != shape or (device is not None and t.device != device):
         raise ValueError(f"packed.{name}: expected shape {tuple(shape)} on {device or t.device}, "
                          f"got shape {tuple(t.shape)} on {t.device}")

@@ -179,6 +179,27 @@ def test_maps_longer_than_the_noise_stream_are_refused_before_c():
                     make(arg, 2)
 
 
+def test_the_backend_functions_check_what_they_pass_to_c():
+    # Reached through the dispatchers only after their checks, but exported: each read or wrote
+    # past a buffer when called directly (ASan) before 2026-12-03
+    u8 = torch.uint8
+    with pytest.raises(ValueError, match="^bits"):
+        cpu.pack_codes(torch.zeros(1, 100, dtype=u8), 3)
+    with pytest.raises(ValueError, match="^codes: expected uint8 \\(..., 25\\)"):
+        cpu.unpack_codes(torch.zeros(1, 1, dtype=u8), 100, 2)
+    with pytest.raises(ValueError, match="^packed: expected 13 uint8 bytes"):
+        cpu.unpack_mask(torch.zeros(1, dtype=u8), torch.Size([100]), torch.float32, 0.0, 1.0)
+    geom = fmt.geometry((2, 3, 8, 8), 4)
+    with pytest.raises(ValueError, match="^x: expected maps \\(2, 3, 8, 8\\)"):
+        cpu.encode(torch.randn(2, 3, 8, 4), geom, 2, None, 0)
+    lfc, lo, step, codes = cpu.encode(torch.randn(2, 3, 8, 8), geom, 2, None, 0)
+    with pytest.raises(ValueError, match="^packed.codes"):
+        cpu.decode(lfc, lo, step, codes[..., :1], geom, 2, torch.float32)
+    with pytest.raises(ValueError, match="^packed.lfc"):
+        cpu.decode(lfc[:1], lo, step, codes, geom, 2, torch.float32)
+    assert cpu.decode(lfc, lo, step, codes, geom, 2, torch.float32).shape == (2, 3, 8, 8)
+
+
 def test_cached_geometry_and_c_arrays_equal_fresh_ones():
     """`format.geometry` is cached for plain int sizes and blocks, `cpu._geometry_args` per
     geometry: the cached values equal freshly computed ones, other values are not cached."""

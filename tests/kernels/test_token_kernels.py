@@ -173,7 +173,7 @@ def test_attention_views_are_read_in_place_as_their_sequences(blocks, stats, mon
                                       counts=(2,), seed=3)
             for packed in (*own, *copied):
                 _assert_same(packed, own[0])
-    with pytest.raises(ValueError, match=r"^view: expected a shape of x's 512 elements"):
+    with pytest.raises(ValueError, match=r"^view: expected a \(M, T, F\) or \(N, H, W, C\) shape of x's 512 elements"):
         fused.encode(x, view=(n * heads, t, d + 1))
 
 
@@ -199,6 +199,9 @@ def test_bad_noise_and_mismatched_parts_are_refused():
         fused.encode(x, torch.rand(2, 20, 16))
     with pytest.raises(ValueError, match="^noise"):
         fused.encode(x, torch.rand(2, 16, 20).double())
+    for view in ((-2, -20, 16), (640,)):  # the elements' count, not a token view
+        with pytest.raises(ValueError, match="^view: expected a \\(M, T, F\\)"):
+            fused.encode(x, view=view)
     packed = fused.encode(x)
     other = fused.encode(torch.randn(2, 24, 16))
     with pytest.raises(ValueError, match="^packed"):
@@ -229,6 +232,32 @@ def test_bad_noise_and_mismatched_parts_are_refused():
         cpu.token_encode(panel, bad, 2, None, 0)
     with pytest.raises(ValueError, match="^noise: expected shape"):
         cpu.token_encode(panel, geom, 2, torch.rand(2, 20, 16), 0)
+
+
+def test_geometries_that_do_not_map_blocks_one_to_one_onto_the_lfc_are_refused():
+    # Each was written past (ASan: heap-buffer-overflow in store_means8, quantize_group) or left
+    # lfc entries unwritten before 2026-12-03: the C code steps a sequence's lfc by its number
+    # of blocks and branches on chan == 1
+    x = torch.randn(4, 1, 1, 64)
+    good = cpu.TokenGeometry((4, 1, 1, 64), (1, 1, 8), (4, 8), (0, 0, 1), True)
+    assert len(cpu.token_encode(x, good, 2, None, 1)) == 4
+    for bad in (dataclasses.replace(good, lfc_shape=(4, 1), lfc_strides=(0, 0, 0)),  # too short
+                dataclasses.replace(good, lfc_strides=(0, 0, 0)),  # all blocks on one entry
+                dataclasses.replace(good, lfc_shape=(4, 16), lfc_strides=(0, 0, 2)),  # gaps
+                dataclasses.replace(good, chan=2)):
+        with pytest.raises(ValueError, match="^geom: inconsistent"):
+            cpu.token_encode(x, bad, 2, None, 1)
+
+
+def test_a_class_token_part_of_another_shape_is_refused():
+    layout = _pair("grid64", "chan")[1]
+    x = torch.randn(3, 1 + 4 * 4, 16)
+    packed = layout.encode(x)
+    for head in (K.division_encode(x[:1, :1], 8, 2), K.division_encode(x[:, :1, :1], 8, 2),
+                 K.lfc_encode(x[:, :1], 8)):
+        with pytest.raises(ValueError, match="^packed: parts"):  # was broadcast into every row
+            layout.decode(dataclasses.replace(packed, head=head))
+    assert torch.equal(layout.decode(packed), layout.decode(dataclasses.replace(packed)))
 
 
 # Quant maps of n elements around the kernels' vector widths (tokens for chan, features for tok:
