@@ -16,8 +16,10 @@ ranks, pytest workers) never load a half-written file. Beside it, `<name>.sha256
 library's content hash (written atomically after the library).
 
 Loading never runs code that freqact did not build for this user: the cache folder must be owned
-by the user and not writable by group or others (otherwise a RuntimeWarning, and the library is
-built in a fresh private temporary folder instead); the library file must be a regular file owned
+by the user and not writable by group or others, and no folder above it may let another user swap
+it (owned by another user than this one or root, or writable by group or others without the sticky
+bit) (otherwise a RuntimeWarning, and the library is built in a fresh private temporary folder
+instead); the library file must be a regular file owned
 by the user, not group/other-writable, and match its recorded hash; a file that fails any check
 (a zero-byte or garbage entry, a missing hash) is rebuilt. A library without the kernel symbols
 makes `available()` False like a failed build. It is loaded with ctypes and given tensors by data
@@ -126,6 +128,20 @@ def _unsafe(path: Path, want_dir: bool) -> str | None:
     return None
 
 
+def _unsafe_above(path: Path) -> str | None:
+    """Why a folder above `path` may let another user swap it (None when none may): one owned by
+    another user than this one or root, or writable by group or others without the sticky bit
+    (as ssh's StrictModes judges a home directory; /tmp is sticky)."""
+    for parent in path.resolve().parents:
+        st = os.stat(parent)
+        if st.st_uid not in (0, os.getuid()):
+            return f"{parent}, above the cache, is owned by uid {st.st_uid}"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            return (f"{parent}, above the cache, is writable by group or others without the "
+                    f"sticky bit (mode {stat.S_IMODE(st.st_mode):o})")
+    return None
+
+
 def _write_atomically(target: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=target.parent)
     try:
@@ -184,7 +200,7 @@ def _trusted_cache() -> Path:
     cache = _cache_dir()
     try:
         cache.mkdir(parents=True, exist_ok=True, mode=0o700)
-        reason = _unsafe(cache, want_dir=True)
+        reason = _unsafe(cache, want_dir=True) or _unsafe_above(cache)
     except OSError as err:
         reason = str(err)
     if reason is None:

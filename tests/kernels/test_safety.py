@@ -167,6 +167,30 @@ def test_a_world_writable_cache_is_refused(fresh, tmp_path):
 
 
 @needs_cc
+def test_a_cache_under_a_folder_others_may_write_is_refused(tmp_path, monkeypatch):
+    # Another user could rename the whole cache folder away and put their own in its place
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    cache = shared / "cache"
+    cache.mkdir(mode=0o700)
+    monkeypatch.setenv("FREQACT_CACHE", str(cache))
+    try:
+        for mode, refused in ((0o777, True), (0o1777, False), (0o755, False)):
+            shared.chmod(mode)
+            cpu._library.cache_clear()
+            if refused:
+                with pytest.warns(RuntimeWarning, match="above the cache, is writable by group"):
+                    assert cpu.available(), cpu.unavailable_reason()
+                assert not cpu._library()._name.startswith(str(cache))
+            else:
+                assert cpu.available(), cpu.unavailable_reason()
+                assert cpu._library()._name.startswith(str(cache))
+    finally:
+        shared.chmod(0o755)
+        cpu._library.cache_clear()
+
+
+@needs_cc
 def test_a_library_that_does_not_match_its_recorded_hash_is_rebuilt(fresh, tmp_path):
     path = cpu.library_path(fresh)
     cpu._build(path)
