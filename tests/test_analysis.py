@@ -465,3 +465,35 @@ def test_pipeline_reuses_a_table_only_when_its_settings_match(tiny_run, tmp_path
     assert not pipelines.pooling_analysis(ckpt, out, blocks=(4,), images=3).reused  # reuse is opt-in
     os.utime(ckpt, ns=(0, 0))  # a rewritten checkpoint is measured again
     assert not pipelines.pooling_analysis(ckpt, out, blocks=(4,), images=3, reuse=True).reused
+
+
+@pytest.mark.parametrize("fail_at", ["table", "sidecar"])
+def test_a_crash_between_table_and_sidecar_never_leaves_a_sidecar_vouching_for_another_table(
+        tiny_run, tmp_path, monkeypatch, fail_at):
+    from freqact.analysis import pipelines
+
+    ckpt = tiny_run / "ckpt" / "epoch-0002.pt"
+    out = tmp_path / "out"
+    pipelines.pooling_analysis(ckpt, out, blocks=(4,), images=2)  # table and sidecar for images=2
+    real_write_csv, real_atomic_write = common.write_csv, checkpoint.atomic_write
+
+    def write_csv(rows, path):
+        if fail_at == "table":
+            raise OSError("disk full (injected)")
+        return real_write_csv(rows, path)
+
+    def atomic_write(path, data):
+        if str(path).endswith(".settings.json"):
+            raise OSError("killed (injected)")
+        return real_atomic_write(path, data)
+
+    monkeypatch.setattr(common, "write_csv", write_csv)
+    monkeypatch.setattr(checkpoint, "atomic_write", atomic_write)
+    with pytest.raises(OSError, match="injected"):
+        pipelines.pooling_analysis(ckpt, out, blocks=(4,), images=3)
+    monkeypatch.undo()
+    assert not (out / "pooling.settings.json").exists()
+    # the folder's table (images=2 or 3) is never reused as the images=2 one: it is measured again
+    assert not pipelines.pooling_analysis(ckpt, out, blocks=(4,), images=2, reuse=True).reused
+    assert pipelines.pooling_analysis(ckpt, out, blocks=(4,), images=2, reuse=True).reused
+    assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))

@@ -4,7 +4,8 @@ these, so each analysis has one set of defaults (the module constants below).
 
 Each table is written with a settings sidecar (`NAME.settings.json`: the analysis settings and the
 checkpoints' sizes and modification times). With `reuse=True` a table whose sidecar matches is read
-back instead of measured again (`freqact figures` on a folder it already filled).
+back instead of measured again (`freqact figures` on a folder it already filled). A sidecar is removed
+before its table is replaced and written again after it, so one never vouches for another table.
 """
 from __future__ import annotations
 
@@ -130,12 +131,16 @@ def _settings(paths: Sequence[Path], **settings) -> dict:
 
 
 def _write(rows: list[dict], out: Path, name: str, settings: dict) -> Path:
-    """OUT/NAME.csv and its settings sidecar (written after the table, so a sidecar vouches for it)."""
-    path = common.write_csv(rows, out / f"{name}.csv")
+    """OUT/NAME.csv and its settings sidecar OUT/NAME.settings.json, consistent under a crash.
+
+    The old sidecar is removed before the table is replaced and the new one written (atomically,
+    under a unique temporary name) only after it, so at any moment a sidecar present vouches for
+    the table beside it: a crash in between leaves a table without one, which is measured again.
+    """
     sidecar = out / f"{name}.settings.json"
-    tmp = sidecar.with_name(sidecar.name + ".tmp")
-    tmp.write_text(json.dumps(settings, indent=1) + "\n")
-    os.replace(tmp, sidecar)
+    sidecar.unlink(missing_ok=True)
+    path = common.write_csv(rows, out / f"{name}.csv")
+    checkpoint.atomic_write(sidecar, (json.dumps(settings, indent=1) + "\n").encode("utf-8"))
     return path
 
 
