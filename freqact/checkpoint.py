@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import tempfile
+import secrets
 import zipfile
 from pathlib import Path
 
@@ -35,12 +35,13 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` so that readers see the old file or the new one, never a part.
 
     The bytes go to a temporary file in the same directory, which is flushed, fsynced and renamed
-    over `path`; the directory is fsynced so the rename itself survives a crash.
+    over `path`; the directory is fsynced so the rename itself survives a crash. The file gets the
+    permissions a plain `open(path, "wb")` gives a new file (0o666 less the umask, which the kernel
+    applies), not `tempfile.mkstemp`'s 0o600.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # The ".NAME.*.tmp" pattern is what `remove_stale_temps` looks for.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = _create_temp(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -48,13 +49,25 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _create_temp(path: Path) -> tuple[int, Path]:
+    """A new, uniquely named ".NAME.*.tmp" beside `path` (the pattern `remove_stale_temps` looks
+    for), opened for writing with mode 0o666 & ~umask: (descriptor, its path)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:  # pragma: no cover - 64 random bits collided
+            continue
 
 
 def read_bounded(path: str | os.PathLike, limit: int, what: str = "a file freqact reads") -> bytes:

@@ -1,6 +1,7 @@
 """Checkpoints: atomic save, safe and strict loading, model rebuild."""
 from __future__ import annotations
 
+import os
 import pickle
 
 import pytest
@@ -24,6 +25,22 @@ def test_round_trip_and_no_temp_files(tmp_path):
     assert torch.equal(loaded["model"]["weight"], obj["model"]["weight"])
     assert torch.equal(loaded["rng"]["torch"][0], obj["rng"]["torch"][0])
     assert sorted(p.name for p in path.parent.iterdir()) == ["last.pt"]
+
+
+@pytest.mark.skipif(not hasattr(os, "umask") or os.name != "posix", reason="POSIX permissions")
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
+def test_atomic_writes_get_the_mode_a_plain_open_gives(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        (tmp_path / "plain.txt").write_bytes(b"x")
+        checkpoint.atomic_write(tmp_path / "table.csv", b"a,b\n")
+        checkpoint.save(tmp_path / "ckpt" / "last.pt", _ckpt(torch.nn.Linear(3, 2)))
+    finally:
+        os.umask(old)
+    expected = 0o666 & ~umask
+    assert (tmp_path / "plain.txt").stat().st_mode & 0o777 == expected
+    for path in (tmp_path / "table.csv", tmp_path / "ckpt" / "last.pt"):
+        assert path.stat().st_mode & 0o777 == expected, path
 
 
 def test_failed_save_keeps_the_old_file(tmp_path):
