@@ -35,12 +35,14 @@ from pathlib import Path
 
 import torch
 
-from freqact import _validate, checkpoint, engine, plots, rundir, train
+from freqact import _validate, engine, plots, rundir, train
 from freqact.analysis import common, pipelines
 
 FIGURES = ("lambdas", "training", "theorem31", "pooling", "compression")
 # The metrics columns the training figure plots (a bad row is refused naming file and line).
 TRAINING_COLUMNS = ("train_loss", "test_acc")
+# The config.json keys the figures read (a run lacking one is refused naming file and key).
+RUN_KEYS = ("model", "dataset", "mode", "batch_size")
 
 CAPTIONS = {
     "lambdas": "λ^L (low band) beside λ^H (high band) of every block output, mean ± std over test "
@@ -131,7 +133,7 @@ def layer_memory(path: str | os.PathLike, *, images: int | None = None,
     """
     # a private RNG stream: building the model and the codec's stochastic rounding draw numbers
     with torch.random.fork_rng(devices=[]):
-        model, ckpt = checkpoint.load_model(path, device)
+        model, ckpt = common.load_checkpoint(path, device, ("dataset", "mode", "batch_size"))
         config = ckpt["config"]
         images = _validate.positive_int("images", config["batch_size"] if images is None else images)
         x, _ = common.eval_batch(model, config, images, data_dir, device)
@@ -192,7 +194,7 @@ def make_all(
         raise ValueError(f"run_dirs: expected a non-empty list of run directories, got {run_dirs!r}")
     _validate.unit_ratio("ratio", ratio)
     runs = [Path(r) for r in run_dirs]
-    configs = [rundir.RunDir(r).read_config() for r in runs]
+    configs = [rundir.RunDir(r).read_config(required=RUN_KEYS) for r in runs]
     labels = _unique_labels([run_label(c) for c in configs], runs)
     # every run's metrics are read (and checked) before anything is computed
     metrics = [{"run": label, **row}

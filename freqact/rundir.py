@@ -136,12 +136,16 @@ class RunDir:
         return self.config_path.is_file() or self.ckpt_dir.is_dir()
 
     # -- readers ----------------------------------------------------------------------------
-    def read_config(self) -> dict:
+    def read_config(self, required: Sequence[str] = ()) -> dict:
         """The stored settings (`RUN/config.json`).
+
+        Args:
+            required: keys that must be present (what the caller reads).
 
         Raises:
             FileNotFoundError: if there is no config.json (not a run directory).
-            ValueError: naming the file, if it is not a JSON object or too large.
+            ValueError: naming the file, if it is not a JSON object, too large, or lacks a
+                `required` key (naming the key).
         """
         if not self.config_path.is_file():
             raise FileNotFoundError(f"{self.path} is not a run directory (no config.json)")
@@ -149,6 +153,7 @@ class RunDir:
         if not isinstance(value, dict):
             raise ValueError(f"{self.config_path}: expected a JSON object, got "
                              f"{type(value).__name__}; delete or repair the file")
+        require_keys(self.config_path, value, required)
         return value
 
     def read_metrics(self, numbers: Sequence[str] = ()) -> list[dict]:
@@ -290,6 +295,29 @@ class RunDir:
 def reaches(metrics: Sequence[dict], epochs: int) -> bool:
     """Whether metrics rows (as `RunDir.read_metrics` gives them) reach epoch `epochs`."""
     return bool(metrics) and metrics[-1]["epoch"] >= epochs
+
+
+def require_keys(where: str | os.PathLike, mapping: dict, keys: Sequence[str], what: str = "") -> None:
+    """Refuse a stored dict (a config, a checkpoint) that lacks one of `keys` or holds None there.
+
+    Args:
+        where: the file, named in the message.
+        mapping: what was read from it.
+        keys: the keys the caller reads.
+        what: the part of the file `mapping` is, e.g. "its config " (with a trailing space).
+
+    Raises:
+        ValueError: one line naming `where` and the first missing key.
+
+    >>> require_keys("run/config.json", {"mode": "normal"}, ["mode", "dataset"])
+    Traceback (most recent call last):
+    ...
+    ValueError: run/config.json: lacks 'dataset', which freqact train writes (not a freqact run's file, or damaged)
+    """
+    missing = [key for key in keys if mapping.get(key) is None]
+    if missing:
+        raise ValueError(f"{where}: {what}lacks {missing[0]!r}, which freqact train writes "
+                         "(not a freqact run's file, or damaged)")
 
 
 def check_resumable(saved: dict, current: dict, where: str | os.PathLike) -> None:

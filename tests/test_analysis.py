@@ -497,3 +497,19 @@ def test_a_crash_between_table_and_sidecar_never_leaves_a_sidecar_vouching_for_a
     assert not pipelines.pooling_analysis(ckpt, out, blocks=(4,), images=2, reuse=True).reused
     assert pipelines.pooling_analysis(ckpt, out, blocks=(4,), images=2, reuse=True).reused
     assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("drop,key", [("config.dataset", "dataset"), ("epoch", "epoch")])
+@pytest.mark.parametrize("command", ["lambdas", "theorem31", "pooling"])
+def test_a_checkpoint_lacking_what_the_analyses_read_is_refused_in_one_line(tiny_run, tmp_path, capsys,
+                                                                            drop, key, command):
+    ckpt = checkpoint.load(tiny_run / "ckpt" / "epoch-0001.pt")
+    if drop == "epoch":
+        del ckpt["epoch"]
+    else:
+        del ckpt["config"]["dataset"]
+    path = tmp_path / "bad" / "ckpt" / "epoch-0001.pt"
+    checkpoint.save(path, ckpt)
+    assert cli.main([command, str(path), "--images", "2", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and f"lacks {key!r}" in err

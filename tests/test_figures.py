@@ -193,3 +193,14 @@ def test_cli_figures_reports_a_missing_run_in_one_line(tmp_path, capsys):
     assert cli.main(["figures", str(tmp_path / "missing"), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("freqact figures: error:") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("config", [{}, {"model": "resnet20", "dataset": "synthetic", "batch_size": 16}])
+def test_cli_figures_refuses_a_config_lacking_a_key_in_one_line(tmp_path, capsys, config):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(config))
+    assert cli.main(["figures", str(run), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    missing = "model" if not config else "mode"
+    assert err.count("\n") == 1 and str(run / "config.json") in err and f"lacks {missing!r}" in err

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from freqact import _validate, data
+from freqact import _validate, checkpoint, data, rundir
 from freqact.checkpoint import atomic_write
 from freqact.kernels import format
 from freqact.models import BLOCK_TYPES
@@ -146,6 +146,21 @@ def resolve_checkpoints(paths: Sequence[str | os.PathLike]) -> list[Path]:
         else:
             raise FileNotFoundError(f"{entry}: no such checkpoint or run directory")
     return found
+
+
+def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
+                    config_keys: Sequence[str] = ("dataset",)) -> tuple[nn.Module, dict]:
+    """`checkpoint.load_model(path, device)`, refused in one line (naming the file and the key)
+    when the checkpoint lacks its "epoch" or its config lacks one of `config_keys` (what the
+    analyses read: the dataset the fixed test batch comes from).
+
+    Returns:
+        (model in eval mode, checkpoint dict).
+    """
+    model, ckpt = checkpoint.load_model(path, device)
+    rundir.require_keys(path, ckpt, ["epoch"])
+    rundir.require_keys(path, ckpt["config"], config_keys, what="its config ")
+    return model, ckpt
 
 
 def default_out_dir(checkpoint: Path) -> Path:

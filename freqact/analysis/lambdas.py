@@ -15,10 +15,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from freqact import _validate, checkpoint, dct
+from freqact import _validate, dct
 from freqact.analysis.common import (
     capture,
     eval_batch,
+    load_checkpoint,
     map_dims,
     resolve_checkpoints,
     select_layers,
@@ -131,7 +132,7 @@ def from_checkpoints(
     rows: list[dict] = []
     batch, dataset = None, None
     for path in resolve_checkpoints(paths):
-        model, ckpt = checkpoint.load_model(path, device)
+        model, ckpt = load_checkpoint(path, device)
         if batch is None:
             dataset = ckpt["config"]["dataset"]
             batch, _ = eval_batch(model, ckpt["config"], images, data_dir, device)

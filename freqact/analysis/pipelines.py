@@ -110,7 +110,7 @@ def pooling_analysis(checkpoint_path: str | os.PathLike, out: str | os.PathLike,
     rows = _reused(out, "pooling", settings) if reuse else None
     reused = rows is not None
     if rows is None:
-        model, ckpt = checkpoint.load_model(paths[0], device)
+        model, ckpt = common.load_checkpoint(paths[0], device)
         x, _ = common.eval_batch(model, ckpt["config"], images, data_dir, device)
         rows = pooling.measure(model, x, blocks=blocks, layers=layers)
         extra = [{"checkpoint": str(paths[0]), "epoch": ckpt["epoch"]}]

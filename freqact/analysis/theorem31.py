@@ -31,8 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freqact import _validate, checkpoint, dct, engine
-from freqact.analysis.common import WEIGHT_LAYERS, eval_batch, resolve_checkpoints, scratch_state
+from freqact import _validate, dct, engine
+from freqact.analysis.common import (
+    WEIGHT_LAYERS,
+    eval_batch,
+    load_checkpoint,
+    resolve_checkpoints,
+    scratch_state,
+)
 
 CONV_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -369,7 +375,7 @@ def from_checkpoints(
     layer_rows: list[dict] = []
     fidelity: list[dict] = []
     for path in resolve_checkpoints(paths):
-        model, ckpt = checkpoint.load_model(path, device)
+        model, ckpt = load_checkpoint(path, device)
         x, y = eval_batch(model, ckpt["config"], images, data_dir, device)
         where = {"checkpoint": str(path), "epoch": ckpt["epoch"]}
         for row in measure(model, x, y, ratio=ratio, rule=rule, end_to_end=end_to_end):
