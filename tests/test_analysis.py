@@ -419,6 +419,11 @@ def test_resolve_checkpoints(tiny_run):
     assert common.default_out_dir(found[0]) == tiny_run.resolve() / "analysis"
     with pytest.raises(FileNotFoundError):
         common.resolve_checkpoints([tiny_run / "nope.pt"])
+    # a checkpoint named twice (inside its run, or by another spelling) counts once, first place
+    again = common.resolve_checkpoints([tiny_run / "ckpt" / "epoch-0002.pt", tiny_run,
+                                        tiny_run / "ckpt" / ".." / "ckpt" / "epoch-0002.pt"])
+    assert [p.name for p in again] == ["epoch-0002.pt", "epoch-0001.pt"]
+    assert again[0] == tiny_run / "ckpt" / "epoch-0002.pt"
 
 
 @pytest.mark.slow

@@ -127,7 +127,8 @@ def resolve_checkpoints(paths: Sequence[str | os.PathLike]) -> list[Path]:
     """Expand run directories into their epoch checkpoints; keep checkpoint files as given.
 
     A run directory `RUN` contributes `RUN/ckpt/epoch-*.pt` in epoch order, or `RUN/ckpt/last.pt`
-    when it holds no epoch checkpoint.
+    when it holds no epoch checkpoint. A file named twice (a run and one of its checkpoints, or
+    two spellings of one path) is kept once, where it first appears.
 
     Raises:
         FileNotFoundError: if a path does not exist or a run directory holds no checkpoint.
@@ -145,7 +146,10 @@ def resolve_checkpoints(paths: Sequence[str | os.PathLike]) -> list[Path]:
             found.extend(epochs)
         else:
             raise FileNotFoundError(f"{entry}: no such checkpoint or run directory")
-    return found
+    unique: dict[Path, Path] = {}
+    for path in found:
+        unique.setdefault(path.resolve(), path)
+    return list(unique.values())
 
 
 def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
