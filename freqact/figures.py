@@ -187,7 +187,8 @@ def make_all(
         {name: Figure} for every name in `FIGURES`, in that order.
 
     Raises:
-        ValueError: if `run_dirs` is empty or `analysis_run` is not one of them.
+        ValueError: if `run_dirs` is empty, holds runs of different models or datasets, or
+            `analysis_run` is not one of them.
         FileNotFoundError: if a run directory lacks config.json, metrics.jsonl or checkpoints.
     """
     if isinstance(run_dirs, (str, os.PathLike)) or not run_dirs:
@@ -195,6 +196,8 @@ def make_all(
     _validate.unit_ratio("ratio", ratio)
     runs = [Path(r) for r in run_dirs]
     configs = [rundir.RunDir(r).read_config(required=RUN_KEYS) for r in runs]
+    for run, config in zip(runs[1:], configs[1:]):  # one model on one dataset in every figure
+        common.check_one_model((runs[0], configs[0]), (run, config), what="run_dirs")
     labels = _unique_labels([run_label(c) for c in configs], runs)
     # every run's metrics are read (and checked) before anything is computed
     metrics = [{"run": label, **row}

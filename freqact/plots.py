@@ -48,6 +48,20 @@ def _require(rows: Sequence[dict], columns: Sequence[str], table: str) -> None:
         raise ValueError(f"rows: expected {table} columns {', '.join(missing)}, got {', '.join(rows[0])}")
 
 
+def _runs(rows: Sequence[dict]) -> list[str]:
+    """The distinct "run" values of a table, in first-seen order ([""] without the column)."""
+    return list(dict.fromkeys(str(r.get("run") or "") for r in rows))
+
+
+def _checkpoint_title(row: dict, rows: Sequence[dict]) -> str:
+    """"epoch E" of a row's checkpoint, "RUN, epoch E" when `rows` hold several runs; the
+    checkpoint's file name without an epoch."""
+    if row.get("epoch") in (None, ""):
+        return Path(str(row.get("checkpoint", ""))).name
+    run = f"{row['run']}, " if len(_runs(rows)) > 1 else ""
+    return f"{run}epoch {row['epoch']}"
+
+
 def _layer_axis(ax, layers: Sequence[str]) -> None:
     """Layer names along x, rotated so that long dotted names stay readable."""
     ax.set_xticks(range(len(layers)))
@@ -59,8 +73,9 @@ def lambdas_figure(rows: Sequence[dict], stem: str | os.PathLike, *, note: str =
     """The paper's Fig. 4: per layer λ^L beside λ^H (mean ± std over instances), log scale.
 
     Args:
-        rows: `analysis.lambdas` rows ("layer", "lam_L", "lam_H"), optionally with "checkpoint"
-            and "epoch" columns; one panel per checkpoint.
+        rows: `analysis.lambdas` rows ("layer", "lam_L", "lam_H"), optionally with "run",
+            "checkpoint" and "epoch" columns; one panel per checkpoint, titled by its epoch (and
+            its run, when the rows hold several).
         stem: output path without suffix.
         note: what the rows were measured on, drawn above the panels.
 
@@ -73,7 +88,7 @@ def lambdas_figure(rows: Sequence[dict], stem: str | os.PathLike, *, note: str =
     for row in rows:
         key = str(row.get("checkpoint", ""))
         panels[key][row["layer"]].append(row)
-        titles[key] = f"epoch {row['epoch']}" if row.get("epoch") not in (None, "") else Path(key).name
+        titles[key] = _checkpoint_title(row, rows)
     fig = Figure(figsize=(max(6.0, 0.35 * max(len(p) for p in panels.values()) + 2), 3.2 * len(panels)))
     axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
     for ax, (key, layers) in zip(axes, panels.items()):
@@ -148,7 +163,8 @@ def theorem31_figure(rows: Sequence[dict], stem: str | os.PathLike, *,
     Args:
         rows: `analysis.theorem31.measure` rows (optionally with "checkpoint"/"epoch").
         stem: output path without suffix.
-        fidelity: `theorem31.gradient_fidelity` rows with "epoch", "cos_L", "cos_H".
+        fidelity: `theorem31.gradient_fidelity` rows with "epoch", "cos_L", "cos_H" and optionally
+            "run" (one line per run in (d)).
         note: what the rows were measured on, drawn above the panels.
 
     Returns:
@@ -156,12 +172,16 @@ def theorem31_figure(rows: Sequence[dict], stem: str | os.PathLike, *,
     """
     _require(rows, ("layer", "err_L", "err_H", "GEB_L", "GEB_H"), "theorem31")
     last = rows[-1].get("checkpoint")
+    several = len({r.get("checkpoint") for r in rows}) > 1
+    shown = _checkpoint_title(rows[-1], rows) if several else ""
     rows = [r for r in rows if r.get("checkpoint") == last]
     layers = [r["layer"] for r in rows]
     panels = 3 + bool(fidelity)
     fig = Figure(figsize=(max(6.0, 0.3 * len(layers) + 2), 3.0 * panels))
     axes = fig.subplots(panels, 1, squeeze=False)[:, 0]
     _theorem_layer_panels(axes[:3], rows)
+    if shown:  # several checkpoints: say which one (a)-(c) show
+        axes[0].set_title(f"{axes[0].get_title()}\n(a)-(c): the last checkpoint, {shown}", fontsize=9)
     for ax in axes[:3]:
         ax.set_yscale("log", nonpositive="mask")
         _layer_axis(ax, layers)
@@ -201,11 +221,18 @@ def _theorem_layer_panels(axes, rows: Sequence[dict]) -> None:
 
 
 def _fidelity_panel(ax, fidelity: Sequence[dict]) -> None:
-    """Panel (d) of `theorem31_figure`: whole-network gradient cosine per epoch."""
-    epochs = [f.get("epoch", i) for i, f in enumerate(fidelity)]
-    ax.plot(epochs, [f["cos_L"] for f in fidelity], "o-", color=_LOW, label="LFC-ACT")
-    ax.plot(epochs, [f["cos_H"] for f in fidelity], "o-", color=_HIGH, label="HFC-ACT")
-    ax.set_xticks(epochs)
+    """Panel (d) of `theorem31_figure`: whole-network gradient cosine per epoch, one line per
+    run (marker shapes tell runs apart), never joining two runs' points."""
+    runs = _runs(fidelity)
+    ticks = set()
+    for run, marker in zip(runs, itertools.cycle("osD^v")):
+        mine = [(f.get("epoch", i), f) for i, f in enumerate(fidelity) if str(f.get("run") or "") == run]
+        epochs = [e for e, _ in mine]
+        ticks.update(epochs)
+        suffix = f" ({run})" if len(runs) > 1 else ""
+        for column, color, label in (("cos_L", _LOW, "LFC-ACT"), ("cos_H", _HIGH, "HFC-ACT")):
+            ax.plot(epochs, [f[column] for _, f in mine], f"{marker}-", color=color, label=label + suffix)
+    ax.set_xticks(sorted(ticks))
     ax.set_xlabel("epoch")
     ax.set_ylabel("cos(∇̂θ, ∇θ)")
     ax.set_title("(d) whole-network gradient cosine with the exact gradient")

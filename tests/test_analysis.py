@@ -518,3 +518,40 @@ def test_a_checkpoint_lacking_what_the_analyses_read_is_refused_in_one_line(tiny
     assert cli.main([command, str(path), "--images", "2", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(path) in err and f"lacks {key!r}" in err
+
+
+def _other_model_run(root, name="mobilenet_v2", dataset="synthetic"):
+    """A run directory with one checkpoint of another model (or dataset) than `tiny_run`'s."""
+    config = {"model": name, "num_classes": 10, "dataset": dataset, "data_dir": None, "seed": 0,
+              "subset": 32}
+    path = root / "ckpt" / "epoch-0001.pt"
+    checkpoint.save(path, {"format": checkpoint.FORMAT, "epoch": 1, "config": config,
+                           "model": models.get(name).state_dict()})
+    return root
+
+
+@pytest.mark.parametrize("command", ["lambdas", "theorem31"])
+@pytest.mark.parametrize("other", [("mobilenet_v2", "synthetic"), ("resnet20", "digits")])
+def test_analyses_refuse_runs_of_different_models_or_datasets_in_one_table(tiny_run, tmp_path, capsys,
+                                                                           command, other):
+    if other[1] == "digits":
+        pytest.importorskip("sklearn")
+    mixed = _other_model_run(tmp_path / "other", *other)
+    assert cli.main([command, str(tiny_run), str(mixed), "--images", "2", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "expected runs of one model on one dataset" in err
+    assert f"{other[0]} on {other[1]!r}" in err and str(mixed) in err
+    assert not (tmp_path / "o" / f"{command}.csv").exists()
+
+
+def test_rows_name_their_run_so_two_runs_stay_apart(tiny_run, tmp_path):
+    twin = tmp_path / "twin"
+    for path in common.resolve_checkpoints([tiny_run]):
+        (twin / "ckpt").mkdir(parents=True, exist_ok=True)
+        (twin / "ckpt" / path.name).write_bytes(path.read_bytes())
+    rows = lambdas.from_checkpoints([tiny_run / "ckpt" / "epoch-0001.pt", twin / "ckpt" / "epoch-0001.pt"],
+                                    images=1)
+    assert {r["run"] for r in rows} == {str(tiny_run), str(twin)}
+    assert {(r["run"], r["epoch"]) for r in rows} == {(str(tiny_run), 1), (str(twin), 1)}
+    assert common.run_of(tiny_run / "ckpt" / "last.pt") == tiny_run
+    assert common.run_of(tmp_path / "loose.pt") == tmp_path

@@ -204,3 +204,33 @@ def test_cli_figures_refuses_a_config_lacking_a_key_in_one_line(tmp_path, capsys
     err = capsys.readouterr().err
     missing = "model" if not config else "mode"
     assert err.count("\n") == 1 and str(run / "config.json") in err and f"lacks {missing!r}" in err
+
+
+def test_make_all_refuses_runs_of_different_models_before_measuring(tmp_path):
+    for name, model in (("a", "resnet20"), ("b", "mobilenet_v2")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(
+            {"model": model, "dataset": "synthetic", "mode": "normal", "batch_size": 16}))
+    with pytest.raises(ValueError, match="run_dirs: expected runs of one model on one dataset.*mobilenet_v2"):
+        figures.make_all([tmp_path / "a", tmp_path / "b"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_figures_label_checkpoints_and_lines_by_run_when_there_are_several():
+    from matplotlib.figure import Figure
+
+    one_run = [{"run": "runs/a", "checkpoint": "runs/a/ckpt/epoch-0001.pt", "epoch": 1}]
+    two_runs = one_run + [{"run": "runs/b", "checkpoint": "runs/b/ckpt/epoch-0001.pt", "epoch": 1}]
+    assert plots._checkpoint_title(one_run[0], one_run) == "epoch 1"
+    assert [plots._checkpoint_title(r, two_runs) for r in two_runs] == ["runs/a, epoch 1", "runs/b, epoch 1"]
+    fidelity = [{"run": run, "epoch": e, "cos_L": c, "cos_H": c / 2}
+                for run, c in (("runs/a", 0.9), ("runs/b", 0.5)) for e in (1, 2)]
+    ax = Figure().subplots()
+    plots._fidelity_panel(ax, fidelity)
+    lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+    # one line per run and band, never a line through both runs' points
+    assert lines == {"LFC-ACT (runs/a)": [0.9, 0.9], "HFC-ACT (runs/a)": [0.45, 0.45],
+                     "LFC-ACT (runs/b)": [0.5, 0.5], "HFC-ACT (runs/b)": [0.25, 0.25]}
+    ax = Figure().subplots()
+    plots._fidelity_panel(ax, fidelity[:2])
+    assert [line.get_label() for line in ax.get_lines()] == ["LFC-ACT", "HFC-ACT"]

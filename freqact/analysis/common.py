@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -167,11 +168,65 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
     return model, ckpt
 
 
+def model_identity(config: dict) -> tuple[str, str, str]:
+    """What makes two runs' maps comparable: (model, its options as sorted JSON, dataset)."""
+    options = json.dumps(config.get("model_options") or {}, sort_keys=True)
+    return str(config.get("model")), options, str(config.get("dataset"))
+
+
+def check_one_model(first: tuple[str | os.PathLike, dict], other: tuple[str | os.PathLike, dict],
+                    what: str = "checkpoints") -> None:
+    """Refuse to put two runs of different models or datasets into one table or figure.
+
+    Args:
+        first, other: (where, config) of the first checkpoint/run and of another one.
+        what: the argument named in the message.
+
+    Raises:
+        ValueError: one line naming both and what differs.
+    """
+    a, b = model_identity(first[1]), model_identity(other[1])
+    if a != b:
+        def name(identity):
+            options = "" if identity[1] == "{}" else f" {identity[1]}"
+            return f"{identity[0]}{options} on {identity[2]!r}"
+        raise ValueError(f"{what}: expected runs of one model on one dataset, got {name(a)} "
+                         f"({first[0]}) and {name(b)} ({other[0]}); analyse them separately")
+
+
+def load_checkpoints(paths: Sequence[str | os.PathLike], device: str | torch.device = "cpu"
+                     ) -> Iterator[tuple[Path, nn.Module, dict]]:
+    """(path, model, checkpoint) for each checkpoint `resolve_checkpoints(paths)` names, loaded
+    one at a time with `load_checkpoint`.
+
+    Raises:
+        ValueError: when a checkpoint's model or dataset differs from the first's
+            (`check_one_model`), before its model is used.
+    """
+    first = None
+    for path in resolve_checkpoints(paths):
+        model, ckpt = load_checkpoint(path, device)
+        if first is None:
+            first = (path, ckpt["config"])
+        check_one_model(first, (path, ckpt["config"]))
+        yield path, model, ckpt
+
+
+def run_of(checkpoint: str | os.PathLike) -> Path:
+    """The run directory of a checkpoint in `RUN/ckpt/`, else the checkpoint's folder (as given,
+    not resolved: it labels rows and figures)."""
+    parent = Path(checkpoint).parent
+    return parent.parent if parent.name == RunDir(parent.parent).ckpt_dir.name else parent
+
+
+def where(path: Path, ckpt: dict) -> dict:
+    """The columns that place a row: {"run", "checkpoint", "epoch"} (run: `run_of(path)`)."""
+    return {"run": str(run_of(path)), "checkpoint": str(path), "epoch": ckpt["epoch"]}
+
+
 def default_out_dir(checkpoint: Path) -> Path:
     """`RUN/analysis` for a checkpoint in `RUN/ckpt/`, else `analysis/` beside the checkpoint."""
-    parent = checkpoint.resolve().parent
-    run = parent.parent if RunDir(parent.parent).ckpt_dir == parent else parent
-    return run / "analysis"
+    return run_of(Path(checkpoint).resolve()) / "analysis"
 
 
 def eval_batch(

@@ -19,10 +19,10 @@ from freqact import _validate, dct
 from freqact.analysis.common import (
     capture,
     eval_batch,
-    load_checkpoint,
+    load_checkpoints,
     map_dims,
-    resolve_checkpoints,
     select_layers,
+    where,
 )
 
 
@@ -124,23 +124,16 @@ def from_checkpoints(
         device: where to run the models.
 
     Returns:
-        `measure`'s rows with "checkpoint" (path) and "epoch" columns first.
+        `measure`'s rows with "run" (`common.run_of`), "checkpoint" (path) and "epoch" first.
 
     Raises:
-        ValueError: if the checkpoints come from runs on different datasets.
+        ValueError: if the checkpoints come from runs of different models or datasets.
     """
     rows: list[dict] = []
-    batch, dataset = None, None
-    for path in resolve_checkpoints(paths):
-        model, ckpt = load_checkpoint(path, device)
+    batch = None
+    for path, model, ckpt in load_checkpoints(paths, device):
         if batch is None:
-            dataset = ckpt["config"]["dataset"]
             batch, _ = eval_batch(model, ckpt["config"], images, data_dir, device)
-        elif ckpt["config"]["dataset"] != dataset:
-            raise ValueError(
-                f"paths: expected checkpoints of runs on one dataset, got {dataset!r} and "
-                f"{ckpt['config']['dataset']!r} ({path})"
-            )
         for row in measure(model, batch, ratio=ratio, layers=layers, rule=rule):
-            rows.append({"checkpoint": str(path), "epoch": ckpt["epoch"], **row})
+            rows.append({**where(path, ckpt), **row})
     return rows

@@ -38,7 +38,7 @@ class Analysis:
         rows: the analysis table (one dict per row).
         files: every file written: the table's CSV first, then extra tables, then the figure files.
         extra: a second table: λ, the summary; Theorem 3.1, the whole-network fidelity per
-            checkpoint; pooling, the checkpoint and its epoch (empty when reused).
+            checkpoint; pooling, its run, checkpoint and epoch (empty when reused).
         reused: whether the tables were read back from `out` instead of measured.
     """
 
@@ -113,7 +113,7 @@ def pooling_analysis(checkpoint_path: str | os.PathLike, out: str | os.PathLike,
         model, ckpt = common.load_checkpoint(paths[0], device)
         x, _ = common.eval_batch(model, ckpt["config"], images, data_dir, device)
         rows = pooling.measure(model, x, blocks=blocks, layers=layers)
-        extra = [{"checkpoint": str(paths[0]), "epoch": ckpt["epoch"]}]
+        extra = [common.where(paths[0], ckpt)]
     files = [_write(rows, out, "pooling", settings), *plots.pooling_figure(rows, out / "pooling", note=note)]
     return Analysis(rows, files, [] if reused else extra, reused)
 

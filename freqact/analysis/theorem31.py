@@ -35,9 +35,9 @@ from freqact import _validate, dct, engine
 from freqact.analysis.common import (
     WEIGHT_LAYERS,
     eval_batch,
-    load_checkpoint,
-    resolve_checkpoints,
+    load_checkpoints,
     scratch_state,
+    where,
 )
 
 CONV_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -370,17 +370,19 @@ def from_checkpoints(
 
     Returns:
         (layer rows, fidelity rows): `measure`'s rows and one `gradient_fidelity` row per
-        checkpoint, each with "checkpoint" (path) and "epoch" columns first.
+        checkpoint, each with "run" (`common.run_of`), "checkpoint" (path) and "epoch" first.
+
+    Raises:
+        ValueError: if the checkpoints come from runs of different models or datasets.
     """
     layer_rows: list[dict] = []
     fidelity: list[dict] = []
-    for path in resolve_checkpoints(paths):
-        model, ckpt = load_checkpoint(path, device)
+    for path, model, ckpt in load_checkpoints(paths, device):
         x, y = eval_batch(model, ckpt["config"], images, data_dir, device)
-        where = {"checkpoint": str(path), "epoch": ckpt["epoch"]}
+        placed = where(path, ckpt)
         for row in measure(model, x, y, ratio=ratio, rule=rule, end_to_end=end_to_end):
-            layer_rows.append({**where, **row})
-        fidelity.append({**where, **gradient_fidelity(model, x, y, ratio=ratio, rule=rule)})
+            layer_rows.append({**placed, **row})
+        fidelity.append({**placed, **gradient_fidelity(model, x, y, ratio=ratio, rule=rule)})
     return layer_rows, fidelity
 
 
