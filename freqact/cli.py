@@ -176,14 +176,23 @@ def _add_window_rule_argument(parser: argparse.ArgumentParser) -> None:
                              "round(r*N + 0.5) (default %(default)s)")
 
 
+def _add_layers_argument(parser: argparse.ArgumentParser, who: str) -> None:
+    """--layers, as every analysis command reads it (`analysis.common.select_layers`)."""
+    from freqact.analysis import common, pipelines
+
+    parser.add_argument("--layers", default=pipelines.LAYERS, choices=common.LAYER_SETS,
+                        help=f"the maps {who}: block outputs (Fig. 4), conv/linear inputs (models "
+                             "without residual blocks: mlp, mobilenet_v2/v3), or both "
+                             "(default %(default)s)")
+
+
 def _add_lambdas_arguments(parser: argparse.ArgumentParser) -> None:
     from freqact.analysis import pipelines
 
     parser.add_argument("checkpoints", nargs="+", metavar="RUN_DIR_OR_CKPT",
                         help="checkpoints, or run directories (all their ckpt/epoch-*.pt)")
     parser.add_argument("--ratio", type=float, default=pipelines.RATIO, help="kept fraction W/N (default %(default)s)")
-    parser.add_argument("--layers", default=pipelines.LAYERS, choices=("blocks", "convs", "all"),
-                        help="block outputs (Fig. 4), conv/linear inputs, or both (default %(default)s)")
+    _add_layers_argument(parser, "λ reads")
     _add_window_rule_argument(parser)
     _add_analysis_arguments(parser, images=pipelines.LAMBDA_IMAGES)
 
@@ -245,8 +254,7 @@ def _add_pooling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="a checkpoint written by `freqact train`")
     parser.add_argument("--blocks", type=int, nargs="+", default=list(pipelines.BLOCKS), metavar="B",
                         help="DIVISION block sizes (default %(default)s)")
-    parser.add_argument("--layers", default=pipelines.LAYERS, choices=("blocks", "convs", "all"),
-                        help="which activation maps besides the input images (default %(default)s)")
+    _add_layers_argument(parser, "pooling reads besides the input images")
     _add_analysis_arguments(parser, images=pipelines.POOLING_IMAGES)
 
 
@@ -338,6 +346,14 @@ def _add_figures_arguments(parser: argparse.ArgumentParser) -> None:
         help="the run whose checkpoints λ, Theorem 3.1 and pooling read (default: the normal run)")
     add("--ratio", type=float, default=pipelines.RATIO,
         help="kept fraction W/N for λ and Theorem 3.1 (default %(default)s)")
+    _add_window_rule_argument(parser)
+    _add_layers_argument(parser, "λ and pooling read")
+    for flag, default, what in (("--lambda-images", pipelines.LAMBDA_IMAGES, "λ reads per checkpoint"),
+                                ("--theorem-images", pipelines.THEOREM_IMAGES, "Theorem 3.1 reads"),
+                                ("--pooling-images", pipelines.POOLING_IMAGES, "pooling reads")):
+        add(flag, type=int, default=default, metavar="N", help=f"test images {what} (default %(default)s)")
+    add("--memory-images", type=int, default=None, metavar="N",
+        help="batch of the memory measurement (default: each run's batch size)")
     add("--data-dir", default=None, help="CIFAR folder's parent (default: the runs')")
     add("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")
 
@@ -346,7 +362,10 @@ def _figures(args: argparse.Namespace) -> int:
     from freqact import figures
 
     made = figures.make_all(args.runs, args.out, analysis_run=args.analysis_run, ratio=args.ratio,
-                            data_dir=args.data_dir, device=args.device, progress=print)
+                            rule=args.window_rule, layers=args.layers, lambda_images=args.lambda_images,
+                            theorem_images=args.theorem_images, pooling_images=args.pooling_images,
+                            memory_images=args.memory_images, data_dir=args.data_dir,
+                            device=args.device, progress=print)
     print("wrote " + ", ".join(str(path) for fig in made.values() for path in fig.files))
     return 0
 

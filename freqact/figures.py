@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from freqact import _validate, engine, plots, rundir, train
+from freqact import _validate, dct, engine, plots, rundir, train
 from freqact.analysis import common, pipelines
 
 FIGURES = ("lambdas", "training", "theorem31", "pooling", "compression")
@@ -45,7 +45,8 @@ TRAINING_COLUMNS = ("train_loss", "test_acc")
 RUN_KEYS = ("model", "dataset", "mode", "batch_size")
 
 CAPTIONS = {
-    "lambdas": "λ^L (low band) beside λ^H (high band) of every block output, mean ± std over test "
+    "lambdas": "λ^L (low band) beside λ^H (high band) of every block output (conv/linear input with "
+               "--layers convs), mean ± std over test "
                "images, one panel per checkpoint of the analysis run (the paper's Fig. 4). λ^L above "
                "λ^H means the block's maps live mostly in the low frequencies.",
     "training": "Test accuracy and training loss per epoch of every run, and the activation memory "
@@ -89,6 +90,8 @@ class Figure:
 # How figures name the data sets of `freqact.data.DATASETS`.
 _DATASET_NAMES = {"cifar10": "CIFAR-10", "cifar100": "CIFAR-100", "digits": "scikit-learn digits",
                   "synthetic": "synthetic data"}
+# How figure notes name the maps of `common.LAYER_SETS`.
+_MAPS = {"blocks": "block outputs", "convs": "conv/linear inputs", "all": "block outputs and conv/linear inputs"}
 # The paper's symbols for the codec settings (W/N kept fraction, B block size, Q HFC bits).
 _SYMBOLS = {"ratio": "W/N", "block": "B", "bits": "Q"}
 
@@ -155,6 +158,8 @@ def make_all(
     *,
     analysis_run: str | os.PathLike | None = None,
     ratio: float = pipelines.RATIO,
+    rule: str = pipelines.RULE,
+    layers: str = pipelines.LAYERS,
     blocks: Sequence[int] = pipelines.BLOCKS,
     lambda_images: int = pipelines.LAMBDA_IMAGES,
     theorem_images: int = pipelines.THEOREM_IMAGES,
@@ -176,6 +181,9 @@ def make_all(
         analysis_run: the run whose checkpoints the λ, Theorem 3.1 and pooling analyses read
             (default: the `normal` run, else the first).
         ratio: kept fraction W/N of each frequency axis for λ and Theorem 3.1, in (0, 1].
+        rule: how W/N becomes W for λ and Theorem 3.1, "nearest" or "official".
+        layers: which maps λ and pooling read: "blocks" (block outputs), "convs" (conv/linear
+            inputs: for models without residual blocks) or "all" (`common.select_layers`).
         blocks: DIVISION block sizes compared with the DCT low-pass.
         lambda_images, theorem_images, pooling_images: test images each analysis reads.
         memory_images: batch size of the memory measurement (default: each run's batch size).
@@ -194,6 +202,8 @@ def make_all(
     if isinstance(run_dirs, (str, os.PathLike)) or not run_dirs:
         raise ValueError(f"run_dirs: expected a non-empty list of run directories, got {run_dirs!r}")
     _validate.unit_ratio("ratio", ratio)
+    _validate.choice("rule", rule, dct.WINDOW_RULES)
+    _validate.choice("layers", layers, common.LAYER_SETS)
     runs = [Path(r) for r in run_dirs]
     configs = [rundir.RunDir(r).read_config(required=RUN_KEYS) for r in runs]
     for run, config in zip(runs[1:], configs[1:]):  # one model on one dataset in every figure
@@ -213,8 +223,9 @@ def make_all(
     say(f"lambdas: λ per block output across the checkpoints of {main_run}")
     shared = {"data_dir": data_dir, "device": device, "reuse": True}  # every analysis pipeline's
     done = pipelines.lambdas_analysis(
-        [main_run], out, ratio=ratio, images=lambda_images, **shared,
-        note=f"{main_run.name} run: {model_data}; {lambda_images} test images, W/N = {ratio}")
+        [main_run], out, ratio=ratio, rule=rule, layers=layers, images=lambda_images, **shared,
+        note=f"{main_run.name} run: {model_data}; {_MAPS[layers]}, {lambda_images} test images, "
+             f"W/N = {ratio} ({rule} rule)")
     made["lambdas"] = _analysis_figure("lambdas", done)
 
     say("memory: bytes cached per layer, one training batch per run")
@@ -232,13 +243,13 @@ def make_all(
     say(f"theorem31: gradient errors vs bounds on {main_ckpt}")
     last = f"{main_run.name} run, last checkpoint: {model_data}"
     done = pipelines.theorem31_analysis(
-        [main_ckpt], out, ratio=ratio, images=theorem_images, **shared,
-        note=f"{last}; a batch of {theorem_images} test images, W/N = {ratio}")
+        [main_ckpt], out, ratio=ratio, rule=rule, images=theorem_images, **shared,
+        note=f"{last}; a batch of {theorem_images} test images, W/N = {ratio} ({rule} rule)")
     made["theorem31"] = _analysis_figure("theorem31", done)
 
     say(f"pooling: block means vs DCT low-pass on {main_ckpt}")
-    done = pipelines.pooling_analysis(main_ckpt, out, blocks=blocks, images=pooling_images, **shared,
-                                      note=f"{last}; {pooling_images} test images")
+    done = pipelines.pooling_analysis(main_ckpt, out, blocks=blocks, layers=layers, images=pooling_images,
+                                      **shared, note=f"{last}; {_MAPS[layers]}, {pooling_images} test images")
     made["pooling"] = _analysis_figure("pooling", done)
 
     made["compression"] = _figure("compression", out, memory, plots.compression_figure,

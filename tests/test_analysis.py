@@ -109,7 +109,7 @@ def test_measure_blocks_on_resnet_and_summary():
 
 
 def test_layer_selection_errors():
-    with pytest.raises(ValueError, match="layers"):
+    with pytest.raises(ValueError, match=r"no 'blocks' layers .*--layers convs"):
         common.select_layers(_tiny_net(), "blocks")  # a plain Sequential has no residual blocks
     with pytest.raises(ValueError, match="layers"):
         common.select_layers(_tiny_net(), "everything")

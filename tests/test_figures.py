@@ -186,6 +186,10 @@ def test_cli_figures_maps_arguments_to_make_all(monkeypatch, tmp_path, capsys):
                      "--analysis-run", "r2"]) == 0
     assert seen["run_dirs"] == ["r1", "r2"] and seen["out"] == str(tmp_path)
     assert seen["ratio"] == 0.2 and seen["analysis_run"] == "r2" and seen["device"] == "cpu"
+    assert seen["layers"] == "blocks" and seen["rule"] == "nearest"
+    assert cli.main(["figures", "r1", "--out", str(tmp_path), "--layers", "convs",
+                     "--window-rule", "official"]) == 0
+    assert seen["layers"] == "convs" and seen["rule"] == "official"
     assert "lambdas.png" in capsys.readouterr().out
 
 
@@ -234,3 +238,25 @@ def test_figures_label_checkpoints_and_lines_by_run_when_there_are_several():
     ax = Figure().subplots()
     plots._fidelity_panel(ax, fidelity[:2])
     assert [line.get_label() for line in ax.get_lines()] == ["LFC-ACT", "HFC-ACT"]
+
+
+@pytest.mark.slow
+def test_figures_on_a_model_without_blocks_reads_conv_inputs_with_layers_convs(tmp_path, capsys):
+    config = train.RunConfig(model="mobilenet_v2", dataset="synthetic", mode="normal", epochs=1,
+                             batch_size=16, subset=16, device="cpu", out=str(tmp_path / "run"),
+                             model_options={"width_mult": 0.25})
+    run = train.train(config)["run_dir"]
+    small = ["--lambda-images", "2", "--theorem-images", "2", "--pooling-images", "2"]
+    assert cli.main(["figures", str(run), "--out", str(tmp_path / "a"), *small]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no 'blocks' layers" in err and "--layers convs" in err
+    assert cli.main(["figures", str(run), "--out", str(tmp_path / "b"), "--layers", "convs", *small]) == 0
+    layers = {row["layer"] for row in _csv(tmp_path / "b" / "lambdas.csv")}
+    assert layers and "features.0.0" in layers  # the stem conv's input: a conv/linear input
+
+
+def _csv(path):
+    import csv
+
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))

@@ -64,7 +64,9 @@ def select_layers(model: nn.Module, layers: str = "blocks") -> list[tuple[str, n
         elif layers in ("convs", "all") and isinstance(module, WEIGHT_LAYERS):
             picked.append((name, module, "input"))
     if not picked:
-        raise ValueError(f"layers: the model {type(model).__name__} has no {layers!r} layers")
+        hint = (" (residual/dense/transformer blocks, freqact.models.BLOCK_TYPES); choose "
+                "layers='convs' (--layers convs) to read its conv/linear inputs") if layers == "blocks" else ""
+        raise ValueError(f"layers: the model {type(model).__name__} has no {layers!r} layers{hint}")
     return picked
 
 
