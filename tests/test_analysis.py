@@ -374,6 +374,13 @@ def test_compare_properties():
     assert row["energy_dct"] == pytest.approx(1.0) and 0 < row["energy_pool"] < 1
 
 
+@pytest.mark.parametrize("size,block,kept", [(20, 8, 3), (12, 8, 2), (4, 8, 1), (36, 8, 5)])
+def test_compare_window_rounds_size_over_block_half_up(size, block, kept):
+    # 20/8 = 2.5 -> 3 (Python's round would give 2), 36/8 = 4.5 -> 5 (round: 4)
+    row = pooling.compare(torch.randn(1, 2, size, size, dtype=torch.float64), block)
+    assert row["window"] == f"{kept}x{kept}" == "x".join([str(math.floor(size / block + 0.5) or 1)] * 2)
+
+
 def test_pooling_measure_rows():
     net = models.get("resnet20", width=4)
     rows = pooling.measure(net, torch.randn(2, 3, 32, 32), blocks=(4, 8))

@@ -83,3 +83,11 @@ def test_fallback_without_cifar(tmp_path, monkeypatch):
     text = _execute("01_dct_masking", tmp_path, tmp_path / "no-data", monkeypatch)
     assert FALLBACK_LINE in text
     assert "dataset: digits" in text
+
+
+def test_notebook_03_gives_lambda_and_theorem31_one_window_rule():
+    """λ and Theorem 3.1 must use the same masks: every from_checkpoints call passes RULE."""
+    nb = nbformat.read(NOTEBOOK_DIR / "03_lambda_theorem31.ipynb", as_version=4)
+    calls = [line for cell in nb.cells if cell.cell_type == "code"
+             for line in cell.source.splitlines() if "from_checkpoints(" in line]
+    assert len(calls) == 2 and all("rule=RULE" in line for line in calls), calls

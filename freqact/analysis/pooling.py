@@ -73,7 +73,8 @@ def compare(h: torch.Tensor, block: int) -> dict:
 
     Returns:
         {"block", "map", "window", "rel_dist", "energy_pool", "energy_dct", "dc_identity_err"}:
-        map and window as "HxW" strings (W_d = max(1, round(S_d / B)), `dct.lowpass_mask`),
+        map and window as "HxW" strings (W_d = min(S_d, max(1, floor(S_d / B + 0.5))): S_d / B
+        rounded half up, `dct.lowpass_mask`'s default "nearest" rule),
         rel_dist = ‖LFC_pool − LFC_dct‖_F / ‖h‖_F, energy_* = ‖LFC‖_F² / ‖h‖_F², and the largest
         |block mean − DC / sqrt(block size)| (0 up to float64 rounding).
     """
