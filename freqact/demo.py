@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from freqact import _validate, data, distributed, figures, train
+from freqact import _validate, checkpoint, data, distributed, figures, rundir, train
 from freqact.analysis import lambdas, pipelines, theorem31
 
 MODES = ("normal", "lfc", "hfc", "division")
@@ -187,6 +187,7 @@ def run(
     Raises:
         ValueError: if `out` already holds runs, `download` and `offline` are both set, or
             epochs/subset are below 1.
+        rundir.RunDirBusy: if another process is writing a demo into `out`.
         TypeError: if epochs/subset are not integers.
     """
     if download and offline:
@@ -198,6 +199,14 @@ def run(
         plan = replace(plan, subset=_validate.positive_int("subset", subset))
     device = str(distributed.pick_device(device))
     out = Path(out)
+    with rundir.output_lock(out):  # one demo per folder
+        return _run(out, plan, data_dir=data_dir, download=download, offline=offline, device=device,
+                    check_online=check_online, fetch=fetch, log=log)
+
+
+def _run(out: Path, plan: Plan, *, data_dir, download: bool, offline: bool, device: str,
+         check_online: Callable[[], bool], fetch: Callable[..., object], log: Callable[[str], None]) -> Path:
+    """`run`'s stages, under the folder's lock."""
     runs_dir = out / "runs"
     if runs_dir.exists() and any(runs_dir.iterdir()):
         raise ValueError(f"out: {out} already holds a demo ({runs_dir}); remove it or choose another --out")
@@ -231,7 +240,7 @@ def run(
     stage(stages, "writing the report")
     timings.append(("done", time.perf_counter()))
     report = out / "report.md"
-    report.write_text(_report(plan, choice, results, figs, out, timings, started))
+    checkpoint.atomic_write(report, _report(plan, choice, results, figs, out, timings, started).encode())
     log(f"wrote {report} ({time.perf_counter() - started:.0f} s in all)")
     return report
 

@@ -217,43 +217,44 @@ def make_all(
     main_config = configs[runs.index(main_run)]
     model_data = describe(main_config)
     out = Path(out)
-    say = progress or (lambda line: None)
-    made: dict[str, Figure] = {}
+    with rundir.output_lock(out):  # one writer per figures folder
+        say = progress or (lambda line: None)
+        made: dict[str, Figure] = {}
 
-    say(f"lambdas: λ per block output across the checkpoints of {main_run}")
-    shared = {"data_dir": data_dir, "device": device, "reuse": True}  # every analysis pipeline's
-    done = pipelines.lambdas_analysis(
-        [main_run], out, ratio=ratio, rule=rule, layers=layers, images=lambda_images, **shared,
-        note=f"{main_run.name} run: {model_data}; {_MAPS[layers]}, {lambda_images} test images, "
-             f"W/N = {ratio} ({rule} rule)")
-    made["lambdas"] = _analysis_figure("lambdas", done)
+        say(f"lambdas: λ per block output across the checkpoints of {main_run}")
+        shared = {"data_dir": data_dir, "device": device, "reuse": True}  # every analysis pipeline's
+        done = pipelines.lambdas_analysis(
+            [main_run], out, ratio=ratio, rule=rule, layers=layers, images=lambda_images, **shared,
+            note=f"{main_run.name} run: {model_data}; {_MAPS[layers]}, {lambda_images} test images, "
+                 f"W/N = {ratio} ({rule} rule)")
+        made["lambdas"] = _analysis_figure("lambdas", done)
 
-    say("memory: bytes cached per layer, one training batch per run")
-    memory = [{"run": label, **row} for label, path in zip(labels, map(_last_checkpoint, runs))
-              for row in layer_memory(path, images=memory_images, data_dir=data_dir, device=device)]
-    totals = memory_totals(memory)
-    trained = "; ".join(dict.fromkeys(f"{describe(c)}, batch {c['batch_size']}" for c in configs))
-    memory_note = f"memory: one training batch of {totals[0]['images']} test images"
-    made["training"] = _figure(
-        "training", out, metrics,
-        lambda rows, stem, note: plots.training_figure(rows, stem, memory=totals, note=note),
-        f"{trained}; {memory_note}")
+        say("memory: bytes cached per layer, one training batch per run")
+        memory = [{"run": label, **row} for label, path in zip(labels, map(_last_checkpoint, runs))
+                  for row in layer_memory(path, images=memory_images, data_dir=data_dir, device=device)]
+        totals = memory_totals(memory)
+        trained = "; ".join(dict.fromkeys(f"{describe(c)}, batch {c['batch_size']}" for c in configs))
+        memory_note = f"memory: one training batch of {totals[0]['images']} test images"
+        made["training"] = _figure(
+            "training", out, metrics,
+            lambda rows, stem, note: plots.training_figure(rows, stem, memory=totals, note=note),
+            f"{trained}; {memory_note}")
 
-    main_ckpt = _last_checkpoint(main_run)
-    say(f"theorem31: gradient errors vs bounds on {main_ckpt}")
-    last = f"{main_run.name} run, last checkpoint: {model_data}"
-    done = pipelines.theorem31_analysis(
-        [main_ckpt], out, ratio=ratio, rule=rule, images=theorem_images, **shared,
-        note=f"{last}; a batch of {theorem_images} test images, W/N = {ratio} ({rule} rule)")
-    made["theorem31"] = _analysis_figure("theorem31", done)
+        main_ckpt = _last_checkpoint(main_run)
+        say(f"theorem31: gradient errors vs bounds on {main_ckpt}")
+        last = f"{main_run.name} run, last checkpoint: {model_data}"
+        done = pipelines.theorem31_analysis(
+            [main_ckpt], out, ratio=ratio, rule=rule, images=theorem_images, **shared,
+            note=f"{last}; a batch of {theorem_images} test images, W/N = {ratio} ({rule} rule)")
+        made["theorem31"] = _analysis_figure("theorem31", done)
 
-    say(f"pooling: block means vs DCT low-pass on {main_ckpt}")
-    done = pipelines.pooling_analysis(main_ckpt, out, blocks=blocks, layers=layers, images=pooling_images,
-                                      **shared, note=f"{last}; {_MAPS[layers]}, {pooling_images} test images")
-    made["pooling"] = _analysis_figure("pooling", done)
+        say(f"pooling: block means vs DCT low-pass on {main_ckpt}")
+        done = pipelines.pooling_analysis(main_ckpt, out, blocks=blocks, layers=layers, images=pooling_images,
+                                          **shared, note=f"{last}; {_MAPS[layers]}, {pooling_images} test images")
+        made["pooling"] = _analysis_figure("pooling", done)
 
-    made["compression"] = _figure("compression", out, memory, plots.compression_figure,
-                                  f"{model_data}, each run's last checkpoint; {memory_note}")
+        made["compression"] = _figure("compression", out, memory, plots.compression_figure,
+                                      f"{model_data}, each run's last checkpoint; {memory_note}")
     return made
 
 

@@ -4,6 +4,7 @@
     run.read_config(), run.read_metrics(), run.last, run.epoch_checkpoints()
     with run.lock():            # one writer per directory
         run.write_config(cfg); run.write_metrics(rows)
+    with output_lock("figures"):  # the same lock on an output folder, re-entrant in a thread
 
 Layout (`freqact train` writes it, `figures`, `sweep` and the analyses read it)::
 
@@ -13,6 +14,9 @@ Layout (`freqact train` writes it, `figures`, `sweep` and the analyses read it):
     RUN/ckpt/epoch-XXXX.pt  kept checkpoints (`save_epochs`, `save_every`)
     RUN/ckpt/last.pt        the state after the newest finished epoch
     RUN/.lock               held (flock) by the one process writing the run
+
+Output folders of the analyses, `freqact figures` and `freqact demo` take the same lock
+(`output_lock`: OUT/.lock), so a second process writing into one is refused too.
 
 Files are written atomically (`checkpoint.atomic_write`); JSON files are read as data (never
 evaluated), with a size bound, and every error names the file (and the line of a JSON-lines file).
@@ -29,6 +33,7 @@ import csv
 import io
 import json
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -290,6 +295,35 @@ class RunDir:
             raise ValueError(f"resume: {self.ckpt_dir} has no last.pt and no loadable epoch "
                              f"checkpoint ({notes[0]})")
         return None, None, []
+
+
+_HELD = threading.local()  # per thread: the output folders `output_lock` holds, with their depth
+
+
+@contextlib.contextmanager
+def output_lock(path: str | os.PathLike) -> Iterator[None]:
+    """One writer per output folder (analysis tables, figures, a demo): `RunDir(path).lock()`,
+    re-entrant within one thread, so a pipeline may lock the folder that its caller
+    (`figures.make_all`) already holds. Another process, or another thread, is refused.
+
+    Raises:
+        RunDirBusy: if another process or thread writes into `path`; the message names it.
+    """
+    held = _HELD.__dict__.setdefault("folders", {})
+    key = Path(path).resolve()
+    if key in held:
+        held[key] += 1
+        try:
+            yield
+        finally:
+            held[key] -= 1
+        return
+    with RunDir(path).lock():
+        held[key] = 1
+        try:
+            yield
+        finally:
+            del held[key]
 
 
 def reaches(metrics: Sequence[dict], epochs: int) -> bool:

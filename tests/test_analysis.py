@@ -562,3 +562,26 @@ def test_rows_name_their_run_so_two_runs_stay_apart(tiny_run, tmp_path):
     assert {(r["run"], r["epoch"]) for r in rows} == {(str(tiny_run), 1), (str(twin), 1)}
     assert common.run_of(tiny_run / "ckpt" / "last.pt") == tiny_run
     assert common.run_of(tmp_path / "loose.pt") == tmp_path
+
+
+def test_a_second_writer_into_an_analysis_folder_is_refused(tiny_run, tmp_path, capsys):
+    import subprocess
+    import sys
+
+    out = tmp_path / "o"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nfrom freqact import rundir\n"
+         f"with rundir.output_lock({str(out)!r}):\n    print('held', flush=True)\n    sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for command in (["lambdas", str(tiny_run)], ["pooling", str(tiny_run / "ckpt" / "epoch-0001.pt")]):
+            assert cli.main([*command, "--images", "1", "--out", str(out)]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and f"{out} is in use by another freqact process" in err
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing written
+    finally:
+        holder.communicate("")
+    assert cli.main(["pooling", str(tiny_run / "ckpt" / "epoch-0001.pt"), "--images", "1", "--blocks", "4",
+                     "--out", str(out)]) == 0

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -101,6 +102,31 @@ def test_lock_is_exclusive_and_released(tmp_path):
                 pass
     with run.lock():  # released on exit
         pass
+
+
+def test_output_lock_is_reentrant_in_its_thread_and_refuses_other_writers(tmp_path):
+    out = tmp_path / "figures"
+    refused = []
+
+    def other_writer():
+        try:
+            with rundir.output_lock(out):
+                refused.append(False)
+        except rundir.RunDirBusy as err:
+            refused.append(str(err))
+
+    with rundir.output_lock(out):
+        with rundir.output_lock(tmp_path / "." / "figures"):  # a pipeline inside make_all
+            (out / "table.csv").write_text("a\n")
+        thread = threading.Thread(target=other_writer)
+        thread.start()
+        thread.join()
+        with pytest.raises(rundir.RunDirBusy):  # the run lock is the same lock
+            with RunDir(out).lock():
+                pass
+    assert len(refused) == 1 and f"out: {out} is in use by another freqact process" in refused[0]
+    other_writer()  # released on exit
+    assert refused[-1] is False
 
 
 def test_a_run_directory_left_empty_is_removed_with_its_lock(tmp_path):

@@ -4,7 +4,8 @@ these, so each analysis has one set of defaults (the module constants below).
 
 Each table is written with a settings sidecar (`NAME.settings.json`: the analysis settings and the
 checkpoints' sizes and modification times). With `reuse=True` a table whose sidecar matches is read
-back instead of measured again (`freqact figures` on a folder it already filled). A sidecar is removed
+back instead of measured again (`freqact figures` on a folder it already filled). Each pipeline
+holds the folder's writer lock (`rundir.output_lock`) while it reads and writes there. A sidecar is removed
 before its table is replaced and written again after it, so one never vouches for another table.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from freqact import checkpoint, plots
+from freqact import checkpoint, plots, rundir
 from freqact.analysis import common, lambdas, pooling, theorem31
 
 RATIO = 0.1  # kept fraction W/N of each frequency axis (λ, Theorem 3.1)
@@ -64,14 +65,15 @@ def lambdas_analysis(checkpoints: Sequence[str | os.PathLike], out: str | os.Pat
     paths = _checkpoints(checkpoints)
     settings = _settings(paths, ratio=ratio, layers=layers, rule=rule, images=images, data_dir=data_dir)
     out = Path(out)
-    rows = _reused(out, "lambdas", settings) if reuse else None
-    reused = rows is not None
-    if rows is None:
-        rows = lambdas.from_checkpoints(paths, ratio=ratio, layers=layers, rule=rule, images=images,
-                                        data_dir=data_dir, device=device)
-    summary = lambdas.summarize(rows)
-    files = [_write(rows, out, "lambdas", settings), common.write_csv(summary, out / "lambdas_summary.csv"),
-             *plots.lambdas_figure(rows, out / "lambdas", note=note)]
+    with rundir.output_lock(out):
+        rows = _reused(out, "lambdas", settings) if reuse else None
+        reused = rows is not None
+        if rows is None:
+            rows = lambdas.from_checkpoints(paths, ratio=ratio, layers=layers, rule=rule, images=images,
+                                            data_dir=data_dir, device=device)
+        summary = lambdas.summarize(rows)
+        files = [_write(rows, out, "lambdas", settings), common.write_csv(summary, out / "lambdas_summary.csv"),
+                 *plots.lambdas_figure(rows, out / "lambdas", note=note)]
     return Analysis(rows, files, summary, reused)
 
 
@@ -85,14 +87,16 @@ def theorem31_analysis(checkpoints: Sequence[str | os.PathLike], out: str | os.P
     paths = _checkpoints(checkpoints)
     settings = _settings(paths, ratio=ratio, rule=rule, images=images, end_to_end=end_to_end, data_dir=data_dir)
     out = Path(out)
-    rows = _reused(out, "theorem31", settings) if reuse else None
-    fidelity = _reused(out, "theorem31_fidelity", settings) if rows is not None else None
-    reused = fidelity is not None
-    if not reused:
-        rows, fidelity = theorem31.from_checkpoints(paths, ratio=ratio, rule=rule, images=images,
-                                                    end_to_end=end_to_end, data_dir=data_dir, device=device)
-    files = [_write(rows, out, "theorem31", settings), _write(fidelity, out, "theorem31_fidelity", settings),
-             *plots.theorem31_figure(rows, out / "theorem31", fidelity=fidelity, note=note)]
+    with rundir.output_lock(out):
+        rows = _reused(out, "theorem31", settings) if reuse else None
+        fidelity = _reused(out, "theorem31_fidelity", settings) if rows is not None else None
+        reused = fidelity is not None
+        if not reused:
+            rows, fidelity = theorem31.from_checkpoints(paths, ratio=ratio, rule=rule, images=images,
+                                                        end_to_end=end_to_end, data_dir=data_dir,
+                                                        device=device)
+        files = [_write(rows, out, "theorem31", settings), _write(fidelity, out, "theorem31_fidelity", settings),
+                 *plots.theorem31_figure(rows, out / "theorem31", fidelity=fidelity, note=note)]
     return Analysis(rows, files, fidelity, reused)
 
 
@@ -107,14 +111,15 @@ def pooling_analysis(checkpoint_path: str | os.PathLike, out: str | os.PathLike,
     settings = _settings(paths, blocks=[int(b) for b in blocks], layers=layers, images=images,
                          data_dir=data_dir)
     out = Path(out)
-    rows = _reused(out, "pooling", settings) if reuse else None
-    reused = rows is not None
-    if rows is None:
-        model, ckpt = common.load_checkpoint(paths[0], device)
-        x, _ = common.eval_batch(model, ckpt["config"], images, data_dir, device)
-        rows = pooling.measure(model, x, blocks=blocks, layers=layers)
-        extra = [common.where(paths[0], ckpt)]
-    files = [_write(rows, out, "pooling", settings), *plots.pooling_figure(rows, out / "pooling", note=note)]
+    with rundir.output_lock(out):
+        rows = _reused(out, "pooling", settings) if reuse else None
+        reused = rows is not None
+        if rows is None:
+            model, ckpt = common.load_checkpoint(paths[0], device)
+            x, _ = common.eval_batch(model, ckpt["config"], images, data_dir, device)
+            rows = pooling.measure(model, x, blocks=blocks, layers=layers)
+            extra = [common.where(paths[0], ckpt)]
+        files = [_write(rows, out, "pooling", settings), *plots.pooling_figure(rows, out / "pooling", note=note)]
     return Analysis(rows, files, [] if reused else extra, reused)
 
 
