@@ -585,3 +585,40 @@ def test_a_second_writer_into_an_analysis_folder_is_refused(tiny_run, tmp_path, 
         holder.communicate("")
     assert cli.main(["pooling", str(tiny_run / "ckpt" / "epoch-0001.pt"), "--images", "1", "--blocks", "4",
                      "--out", str(out)]) == 0
+
+
+def test_swin_block_outputs_are_read_as_spatial_maps_over_h_and_w():
+    """Swin's blocks output channels-last (N, H, W, C) grids: λ is the DCT over (H, W), as scipy's
+    dctn over axes (1, 2) of the raw output gives it, and pooling names the map H x W."""
+    torch.manual_seed(0)
+    net = models.get("swin").double()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    raw = {}
+    hooks = [m.register_forward_hook(lambda m, i, o, name=name: raw.setdefault(name, o.detach()))
+             for name, m, _ in common.select_layers(net, "blocks")]
+    with torch.no_grad():
+        net.eval()(x)
+    for hook in hooks:
+        hook.remove()
+    rows = lambdas.measure(net, x, ratio=0.25)
+    for name, h in raw.items():
+        n, height, width, _ = h.shape
+        coeffs = scipy.fft.dctn(h.numpy(), type=2, norm="ortho", axes=(1, 2))
+        mask = np.zeros((height, width, 1), dtype=bool)
+        mask[: max(1, math.floor(0.25 * height + 0.5)), : max(1, math.floor(0.25 * width + 0.5))] = True
+        mine = [r for r in rows if r["layer"] == name]
+        np.testing.assert_allclose([r["lam_L"] for r in mine], np.sqrt((coeffs**2 * mask).sum(axis=(1, 2, 3))),
+                                   rtol=1e-9)
+        np.testing.assert_allclose([r["lam_H"] for r in mine], np.sqrt((coeffs**2 * ~mask).sum(axis=(1, 2, 3))),
+                                   rtol=1e-9)
+    maps = {r["layer"]: r["map"] for r in pooling.measure(net, x, blocks=(4,))}
+    assert {maps[name] for name in raw} <= {f"{s}x{s}" for s in (16, 8, 4, 2, 1)}
+
+
+@pytest.mark.parametrize("name,layers", [("vit", "blocks"), ("gpt", "blocks"), ("vit", "convs")])
+def test_token_sequences_are_refused_naming_the_layer(name, layers):
+    net = models.get(name, num_classes=256 if name == "gpt" else 10)
+    x = (torch.randint(0, 256, (2, 16)) if name == "gpt" else torch.randn(2, 3, 32, 32))
+    refusal = r"layers: the (output|input) of '.*' \((TransformerBlock|DecoderBlock|Linear)\) holds tokens"
+    with pytest.raises(ValueError, match=refusal):
+        common.capture(net, x, common.select_layers(net, layers))

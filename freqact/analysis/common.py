@@ -41,6 +41,40 @@ def map_dims(x: torch.Tensor) -> int:
     return format.map_dims(x.shape)
 
 
+MAP_LAYOUTS = ("channels_first", "channels_last", "tokens")
+
+
+def as_maps(name: str, module: nn.Module, which: str, h: torch.Tensor) -> torch.Tensor:
+    """A captured tensor laid out as the analyses read maps: channels-first, (N, C, *spatial)
+    ((N, F) for a flat one), whose trailing `map_dims` dims are the spatial ones.
+
+    The layout is the block's declared `map_layout` (`freqact.models`; default channels-first); a
+    Linear's input has its features last: (N, F) as is, (N, *spatial, F) channels-last, and
+    (N, T, F) tokens.
+
+    Args:
+        name, module, which: the layer as `select_layers` gives it ("output" or "input").
+        h: the captured tensor.
+
+    Returns:
+        `h`, or a channels-last `h` as the view `h.movedim(-1, 1)`.
+
+    Raises:
+        ValueError: for tokens (N, T, F) (ViT, GPT): a sequence has no spatial map, and a DCT over
+            its features or over the token order would not be one; refused, naming the layer.
+    """
+    if which == "input" and isinstance(module, nn.Linear):
+        layout = "channels_first" if h.dim() == 2 else "tokens" if h.dim() == 3 else "channels_last"
+    else:
+        layout = getattr(module, "map_layout", "channels_first")
+    _validate.choice(f"{type(module).__name__}.map_layout", layout, MAP_LAYOUTS)
+    if layout == "tokens":
+        raise ValueError(f"layers: the {which} of {name!r} ({type(module).__name__}) holds tokens "
+                         f"(N, T, F) = {tuple(h.shape)}, which have no spatial map for λ or pooling; "
+                         "the analyses read image-like maps (N, C, *spatial)")
+    return h.movedim(-1, 1) if layout == "channels_last" else h
+
+
 def select_layers(model: nn.Module, layers: str = "blocks") -> list[tuple[str, nn.Module, str]]:
     """The modules whose activation maps an analysis reads, in definition order.
 
@@ -101,8 +135,12 @@ def capture(
         picked: from `select_layers`.
 
     Returns:
-        [(layer name, detached tensor)] in call order; a module called k > 1 times in one forward
-        pass gives entries `name`, `name@1`, ..., `name@{k-1}`.
+        [(layer name, detached tensor laid out channels-first by `as_maps`)] in call order; a
+        module called k > 1 times in one forward pass gives entries `name`, `name@1`, ...,
+        `name@{k-1}`.
+
+    Raises:
+        ValueError: for a selected map of tokens (`as_maps`).
     """
     captured: list[tuple[str, torch.Tensor]] = []
     calls: dict[str, int] = {}
@@ -112,7 +150,7 @@ def capture(
             count = calls.get(name, 0)
             calls[name] = count + 1
             tensor = output if which == "output" else inputs[0]
-            captured.append((name if count == 0 else f"{name}@{count}", tensor.detach()))
+            captured.append((name if count == 0 else f"{name}@{count}", as_maps(name, module, which, tensor.detach())))
 
         return hook
 

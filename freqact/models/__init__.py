@@ -9,7 +9,9 @@
 default input ((F,) for flat inputs; (T,) for the language model `gpt`, whose input is int64
 token ids (N, T) and whose `num_classes` is the vocabulary size, logits (N, T, V)). The residual,
 dense and transformer blocks are modules of the classes in `BLOCK_TYPES`, so an analysis finds the
-"block outputs" (the paper's Fig. 4) with `isinstance(m, BLOCK_TYPES)`.
+"block outputs" (the paper's Fig. 4) with `isinstance(m, BLOCK_TYPES)`; a block whose output is not
+channels-first (N, C, *spatial) says so in a class attribute `map_layout`: "channels_last" (Swin's
+(N, H, W, C) grids) or "tokens" ((N, T, F) sequences: ViT, GPT), read by `analysis.common.as_maps`.
 
 Models know nothing about compression. Activations are `nn` modules (`nn.ReLU`, `nn.ReLU6`, `nn.GELU`,
 `nn.SiLU`, `nn.Hardswish`, `nn.Hardsigmoid`; never `F.relu`) and none is in place, so the engine's

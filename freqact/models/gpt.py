@@ -110,6 +110,9 @@ class DecoderBlock(nn.Module):
     Maps tokens (N, T, dim) to (N, T, dim).
     """
 
+    # How analyses read the output (freqact.analysis.common.as_maps): tokens, no spatial map.
+    map_layout = "tokens"
+
     def __init__(self, dim: int, heads: int, context: int, hidden: int,
                  dropout: float = 0.0) -> None:
         super().__init__()
