@@ -26,7 +26,7 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -245,6 +245,18 @@ def _run(out: Path, plan: Plan, *, data_dir, download: bool, offline: bool, devi
     return report
 
 
+def regenerate_command(plan: Plan, runs: Sequence[str], out: str = "figures") -> str:
+    """The `freqact figures` command that redraws the demo's figures with the demo's own settings
+    (W/N and image counts as `run` passes them to `figures.make_all`; the tables are reused).
+
+    >>> regenerate_command(QUICK_PLAN, ["runs/normal"])
+    'freqact figures runs/normal --out figures --ratio 0.1 --lambda-images 8 --theorem-images 8 --pooling-images 4'
+    """
+    return (f"freqact figures {' '.join(runs)} --out {out} --ratio {plan.ratio} "
+            f"--lambda-images {plan.lambda_images} --theorem-images {plan.theorem_images} "
+            f"--pooling-images {plan.pooling_images}")
+
+
 def _has_cifar10(root: Path) -> bool:
     """Whether `root` holds a readable CIFAR-10 (parsing it checks more than file names)."""
     try:
@@ -303,7 +315,7 @@ def _run_lines(plan: Plan, choice: DataChoice, results: dict, link: Callable, se
         f"- Analyses on the `normal` run ({link(analysed)}), W/N = {plan.ratio} (as LFC-ACT/HFC-ACT): λ on "
         f"{plan.lambda_images} test images per checkpoint, Theorem 3.1 on {plan.theorem_images}, "
         f"pooling on {plan.pooling_images}. Regenerate every figure from this folder with "
-        f"`freqact figures {' '.join(link(results[m]['run_dir']) for m in MODES)} --out figures`.",
+        f"`{regenerate_command(plan, [link(results[m]['run_dir']) for m in MODES])}`.",
         "",
     ]
 

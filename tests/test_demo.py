@@ -172,3 +172,15 @@ def test_a_second_demo_into_one_folder_is_refused(tmp_path):
     finally:
         done.set()
         thread.join()
+
+
+@pytest.mark.parametrize("plan", [demo.PLAN, demo.QUICK_PLAN])
+def test_the_report_regenerate_line_reproduces_the_demo_settings(plan):
+    runs = [f"runs/{mode}" for mode in demo.MODES]
+    words = demo.regenerate_command(plan, runs).split()
+    assert words[:2] == ["freqact", "figures"]
+    args = cli.build_parser(["figures"]).parse_args(words[1:])
+    assert args.runs == runs and args.out == "figures" and args.ratio == plan.ratio
+    assert (args.lambda_images, args.theorem_images, args.pooling_images) == (
+        plan.lambda_images, plan.theorem_images, plan.pooling_images)
+    assert args.window_rule == "nearest" and args.layers == "blocks"  # make_all's defaults, as the demo
