@@ -304,8 +304,7 @@ def _sweep(args: argparse.Namespace) -> int:
         print(f"freqact sweep: {stop}", file=sys.stderr)
         return stop.exit_code
     for run_dir, message in outcome["failed"]:
-        print(f"freqact sweep: {run_dir} failed: {message} (traceback in {run_dir}/error.log)",
-              file=sys.stderr)
+        print(f"freqact sweep: {run_dir} failed: {message}", file=sys.stderr)
     if outcome["written"]:
         print("wrote " + ", ".join(map(str, outcome["written"])))
     return 1 if outcome["failed"] else 0

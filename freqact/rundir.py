@@ -253,6 +253,7 @@ class RunDir:
         (see `lock`) is a lock on nothing: the file at the path is checked to be the one locked,
         else the directory and lock file are made again.
         """
+        check_folder(self.path)
         while True:
             created = not self.path.exists()
             self.path.mkdir(parents=True, exist_ok=True)
@@ -329,6 +330,23 @@ def output_lock(path: str | os.PathLike) -> Iterator[None]:
 def reaches(metrics: Sequence[dict], epochs: int) -> bool:
     """Whether metrics rows (as `RunDir.read_metrics` gives them) reach epoch `epochs`."""
     return bool(metrics) and metrics[-1]["epoch"] >= epochs
+
+
+def check_folder(path: str | os.PathLike, argument: str = "out") -> Path:
+    """`path` as a Path, refused in one line naming `argument` when it, or a folder above it, is a
+    file (mkdir's bare "[Errno 17] File exists" otherwise).
+
+    Raises:
+        ValueError: naming `argument` and the file in the way.
+    """
+    path = Path(path)
+    for place in (path, *path.parents):
+        if place.exists() and not place.is_dir():
+            raise ValueError(f"{argument}: expected a folder, got {path}"
+                             + (" (a file)" if place == path else f" ({place} is a file)"))
+        if place.is_dir():
+            break
+    return path
 
 
 def require_keys(where: str | os.PathLike, mapping: dict, keys: Sequence[str], what: str = "") -> None:

@@ -155,7 +155,7 @@ def expand(spec: dict, out: str | os.PathLike | None = None, *, data_dir: str | 
     _check_count(len(variants), grid)
     if out is not None and not str(out).strip():
         raise ValueError(f"out: expected a folder path, got {out!r}")
-    out = Path(out) if out is not None else Path("sweeps") / name
+    out = rundir.check_folder(out) if out is not None else Path("sweeps") / name
     group_fields = tuple(key for key in grid if key != "seed")
     extra = {"resume": True, **({"data_dir": data_dir} if data_dir is not None else {}),
              **({"download": True} if download else {})}
@@ -278,7 +278,8 @@ def run(spec: str | os.PathLike | dict, out: str | os.PathLike | None = None, *,
 
     Returns:
         {"study": Study, "ran": [run dirs trained now], "skipped": [run dirs already finished],
-        "failed": [(run dir, "Error: message")], "rows": results_table rows, "written": [paths]}
+        "failed": [(run dir, "Error: message (traceback in RUN/error.log)")] (no log for a run
+        another process is writing), "rows": results_table rows, "written": [paths]}
         ("written" is empty on ranks > 0 under torchrun).
 
     Raises:
@@ -509,11 +510,13 @@ def _run_lane(configs: Sequence[train.RunConfig], device: str | None,
             except train.Interrupted as stop:  # checkpoints whole; the rest of the lane waits
                 return failed, stop.signum
             except Exception as err:  # one bad run must not cost the others; reported at the end
+                message = f"{type(err).__name__}: {err}"
                 if not isinstance(err, rundir.RunDirBusy):  # a busy directory is another's
-                    Path(config.out).mkdir(parents=True, exist_ok=True)
-                    (Path(config.out) / "error.log").write_text(traceback.format_exc(),
-                                                                encoding="utf-8")
-                failed.append((config.out, f"{type(err).__name__}: {err}"))
+                    log = Path(config.out) / "error.log"
+                    log.parent.mkdir(parents=True, exist_ok=True)
+                    log.write_text(traceback.format_exc(), encoding="utf-8")
+                    message += f" (traceback in {log})"
+                failed.append((config.out, message))
         return failed, (pending[0] if pending else None)
     finally:
         for sig, handler in old.items():

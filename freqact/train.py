@@ -216,7 +216,7 @@ def _resume(state: _Trainer) -> None:
     for note in notes:
         say(f"resume: skipping {note}", flush=True)
     if ckpt is None:
-        say(f"resume: {run} has no checkpoint yet; starting at epoch 1", flush=True)
+        say(f"{run}: no checkpoint to resume from; starting fresh at epoch 1", flush=True)
         return
     # runs written before the fsdp setting existed were not sharded
     rundir.check_resumable({"fsdp": False, **ckpt["config"]}, state.stored_config, path)

@@ -291,6 +291,9 @@ def test_end_to_end_keep_everything_is_exact():
     for row in rows:
         assert row["lam_H"] <= 1e-5 * row["lam_L"] and row["bound_holds"]
         assert row["e2e_err_L"] <= 1e-4 * row["e2e_err_H"]  # LFC with W = N keeps every activation
+        # the high band is empty: exactly no energy, no error, no bound, so no tightness (not noise/noise)
+        assert row["lam_H"] == row["err_L"] == row["GEB_L"] == 0 and row["tightness_L"] is None
+    assert theorem31.summarize(rows)["median_tightness_L"] is None
 
 
 def test_gradient_fidelity_is_a_cosine_with_the_exact_gradient():

@@ -218,3 +218,14 @@ def test_resume_checkpoint_takes_last_else_the_newest_loadable_epoch(tmp_path):
         run.epoch_path(epoch).write_bytes(b"x")
     with pytest.raises(ValueError, match="no last.pt and no loadable epoch checkpoint"):
         run.resume_checkpoint()
+
+
+@pytest.mark.parametrize("command", [["train", "--dataset", "synthetic", "--epochs", "1"],
+                                     ["sweep", "lfc-hfc-cpu", "--dry-run"]])
+def test_out_at_a_file_is_refused_naming_the_argument(tmp_path, capsys, command):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for out in (afile, afile / "below"):
+        assert cli.main([*command, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"out: expected a folder, got {out}" in err and "Errno" not in err

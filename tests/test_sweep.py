@@ -258,8 +258,9 @@ def test_a_failing_run_is_reported_and_the_others_still_run(tmp_path):
     outcome = sweep.run(spec, tmp_path / "out", device="cpu", data_dir=str(tmp_path / "empty"))
     [(run_dir, message)] = outcome["failed"]
     assert run_dir == str(tmp_path / "out" / "no-data" / "seed-0")
-    assert message.startswith("FileNotFoundError") and "Traceback" in (
-        tmp_path / "out" / "no-data" / "seed-0" / "error.log").read_text()
+    log = tmp_path / "out" / "no-data" / "seed-0" / "error.log"
+    assert message.startswith("FileNotFoundError") and "Traceback" in log.read_text()
+    assert message.endswith(f"(traceback in {log})")
     assert [row["seeds"] for row in outcome["rows"]] == [0, 1]
 
 
@@ -319,7 +320,7 @@ def test_cli_bad_spec_exits_2_with_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "grid.seed" in err
 
 
-def test_a_run_another_process_is_writing_fails_alone_and_is_left_alone(tmp_path):
+def test_a_run_another_process_is_writing_fails_alone_and_is_left_alone(tmp_path, capsys):
     from freqact.rundir import RunDir
 
     study = sweep.expand(_spec(), tmp_path / "out")
@@ -329,7 +330,11 @@ def test_a_run_another_process_is_writing_fails_alone_and_is_left_alone(tmp_path
     assert [run_dir for run_dir, _ in outcome["failed"]] == [str(busy)]
     assert "in use by another freqact process" in outcome["failed"][0][1]
     assert not (busy / "error.log").exists() and not (busy / "ckpt").exists()
+    assert "error.log" not in outcome["failed"][0][1]  # no traceback is promised where none was written
     assert outcome["rows"][1]["seeds"] == 1  # the other run trained
+    printed = capsys.readouterr().out  # a fresh run says so; it does not claim to resume
+    assert f"{study.runs[1].run_dir}: no checkpoint to resume from; starting fresh at epoch 1" in printed
+    assert "resume:" not in printed
 
 
 def test_include_exclude_in_specs_are_checked_against_the_model_up_front(tmp_path):

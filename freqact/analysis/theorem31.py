@@ -206,7 +206,8 @@ def measure(
     Returns:
         One row per conv layer in call order: {"layer", "kind", "c", "grad_out_norm", "lam_L",
         "lam_H", "err_L", "err_H", "GEB_L", "GEB_H", "bound_L_holds", "bound_H_holds",
-        "bound_holds" (both), "tightness_L" = err_L / GEB_L, "tightness_H" (None where GEB is 0),
+        "bound_holds" (both), "tightness_L" = err_L / GEB_L, "tightness_H" (None where GEB is 0,
+        e.g. tightness_L when the mask keeps every coefficient: the high band is then exactly 0),
         "err_L_lt_err_H"} and, with `end_to_end`, "e2e_err_L", "e2e_err_H" (float32 weight-gradient
         errors of the layer with the whole network in LFC-ACT / HFC-ACT).
 
@@ -268,7 +269,14 @@ def _layer_row(name: str, module: nn.Module, x: torch.Tensor, grad_out: torch.Te
     """The Theorem 3.1 quantities of one conv layer, in x's precision (float32 for half inputs)."""
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     x, grad_out = x.to(dtype), grad_out.to(dtype)
-    lfc, hfc = dct.split(x, ratio, dims=len(module.kernel_size), rule=rule)
+    dims = len(module.kernel_size)
+    sizes = tuple(x.shape[x.dim() - dims :])
+    if dct.windows(sizes, ratio, rule=rule) == sizes:
+        # the mask keeps every coefficient: the high band is empty, exactly (the DCT round trip
+        # would leave float32 noise in it, and a tightness err^L/GEB^L of noise over noise)
+        lfc, hfc = x, torch.zeros_like(x)
+    else:
+        lfc, hfc = dct.split(x, ratio, dims=dims, rule=rule)
     exact = weight_grad(module, x, grad_out)
     err_l = float((weight_grad(module, lfc, grad_out) - exact).norm())
     err_h = float((weight_grad(module, hfc, grad_out) - exact).norm())
