@@ -314,7 +314,8 @@ def test_a_checkpoint_config_is_checked_before_a_model_is_built(tmp_path, monkey
 def test_figures_on_a_bad_metrics_line_names_file_and_line(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.json").write_text(json.dumps({"model": "mlp", "mode": "normal"}))
+    (run / "config.json").write_text(json.dumps({"model": "mlp", "mode": "normal", "dataset": "cifar10",
+                                                   "batch_size": 8}))
     good = '{"epoch": 1, "test_acc": 0.5, "train_loss": 1.0}\n'
     for bad, match in (('{"epoch": 2,', "line 2: not valid JSON"),
                        ('{"epoch": 2, "test_acc": "0.5", "train_loss": 1}', "line 2: test_acc"),
