@@ -10,6 +10,7 @@ from torch import nn
 
 import freqact
 from freqact import codecs
+from freqact.engine.layouts import LayoutPacked, TokenLayout
 from freqact.engine.moments import MomentsPacked, NormLayout, token_moments, with_moments
 
 
@@ -54,8 +55,20 @@ def test_norm_layout_round_trip_holds_each_tokens_moments(blocks):
     got_mean, got_std = token_moments(out)
     torch.testing.assert_close(got_mean, mean, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_std, std, rtol=1e-4, atol=1e-6)
-    with pytest.raises(TypeError, match="packed: expected a MomentsPacked"):
-        layout.decode(packed.layout)
+    with pytest.raises(TypeError, match="packed: expected a MomentsPacked or LayoutPacked"):
+        layout.decode(packed.layout.quant)
+
+
+def test_norm_layout_without_a_flat_token_holds_the_layout_alone():
+    torch.manual_seed(2)
+    division = codecs.get("division", block=8, bits=2)
+    norm, plain = NormLayout(division, "tile", "tok"), TokenLayout(division, "tile", "tok")
+    x = torch.randn(4, 16, 48)
+    packed = norm.encode(x, seed=5)
+    assert isinstance(packed, LayoutPacked) and packed.nbytes < norm.nbytes_for(tuple(x.shape))
+    assert torch.equal(norm.decode(packed), plain.decode(plain.encode(x, seed=5)))
+    x[2, 3] = x[2, 3] * 1e-3  # one token a thousand times flatter than its neighbours
+    assert isinstance(norm.encode(x, seed=5), MomentsPacked)
 
 
 class _ClassTokenNorm(nn.Module):

@@ -12,6 +12,13 @@ x~ = mean + (x^ - mean^) * std / std^ per token (mean^, std^ the decode's own), 
 statistics exact: a constant token decodes exactly, and no token's normalised decode has more
 than unit spread, whatever its rstd. The moments are float32 whatever x's dtype: a bf16 mean
 would itself be an error of 2^-9 |mean| that rstd multiplies.
+
+On the CPU, eager `NormLayout` holds them only for a tensor with a flat token, one whose standard
+deviation is below 1/FLAT of its quantisation step (its decode noise then exceeds FLAT times its
+own spread; a typical token's step is about 1.7 standard deviations): elsewhere the layout alone,
+without the moments' bytes and their two passes at pack and unpack (5-8 % of the zoo's small
+transformers' steps when always held). Deciding reads a value (a device sync on a GPU), so on
+other devices, and in compiled graphs (static forms), they are always held.
 """
 from __future__ import annotations
 
@@ -22,7 +29,10 @@ import torch
 
 from freqact.engine.layouts import LayoutPacked, TokenLayout
 
-__all__ = ["MomentsPacked", "NormLayout", "token_moments", "with_moments"]
+__all__ = ["FLAT", "MomentsPacked", "NormLayout", "token_moments", "with_moments"]
+
+FLAT = 4
+"""A token is flat when FLAT times its standard deviation is below its quantisation step."""
 
 
 def _centred(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -82,17 +92,28 @@ class NormLayout(TokenLayout):
     module docstring): the route of per-token normalisations' inputs."""
 
     def encode(self, x: torch.Tensor, noise: torch.Tensor | None = None,
-               seed: int | None = None, view: tuple[int, ...] | None = None) -> MomentsPacked:
-        """`TokenLayout.encode` (same arguments) and the moments of the encoded view."""
+               seed: int | None = None, view: tuple[int, ...] | None = None
+               ) -> MomentsPacked | LayoutPacked:
+        """`TokenLayout.encode` (same arguments) and the moments of the encoded view; on the CPU
+        without a flat token, the layout's form alone (module docstring)."""
         packed = super().encode(x, noise, seed, view)
-        return MomentsPacked(packed, *token_moments(x.reshape(packed.shape)))
+        mean, std = token_moments(x.reshape(packed.shape))
+        if x.device.type == "cpu" and self.stats == "tok":
+            step = packed.quant.step.float().reshape(std.shape)
+            if not bool((std * FLAT < step).any()):
+                return packed
+        return MomentsPacked(packed, mean, std)
 
-    def decode(self, packed: MomentsPacked) -> torch.Tensor:
-        """Returns: the layout's decode moved onto the held moments, of the view's shape."""
+    def decode(self, packed: MomentsPacked | LayoutPacked) -> torch.Tensor:
+        """Returns: the layout's decode (moved onto the held moments), of the view's shape."""
+        if isinstance(packed, LayoutPacked):
+            return super().decode(packed)
         if not isinstance(packed, MomentsPacked):
-            raise TypeError(f"packed: expected a MomentsPacked, got {type(packed).__name__}")
+            raise TypeError(f"packed: expected a MomentsPacked or LayoutPacked, got "
+                            f"{type(packed).__name__}")
         return with_moments(super().decode(packed.layout), packed.mean, packed.std)
 
     def nbytes_for(self, shape: tuple[int, ...]) -> int:
-        """Bytes of the packed form of a view of `shape`: the layout's and 8 per token."""
+        """Bytes of the packed form of a view of `shape` with the moments: the layout's and 8
+        per token (at most what it holds)."""
         return super().nbytes_for(shape) + 8 * math.prod(shape[:-1])
