@@ -13,12 +13,13 @@ statistics exact: a constant token decodes exactly, and no token's normalised de
 than unit spread, whatever its rstd. The moments are float32 whatever x's dtype: a bf16 mean
 would itself be an error of 2^-9 |mean| that rstd multiplies.
 
-On the CPU, eager `NormLayout` holds them only for a tensor with a flat token, one whose standard
-deviation is below 1/FLAT of its quantisation step (its decode noise then exceeds FLAT times its
-own spread; a typical token's step is about 1.7 standard deviations): elsewhere the layout alone,
-without the moments' bytes and their two passes at pack and unpack (5-8 % of the zoo's small
-transformers' steps when always held). Deciding reads a value (a device sync on a GPU), so on
-other devices, and in compiled graphs (static forms), they are always held.
+On the CPU, eager `NormLayout` holds them only for a tensor with a flat token, one whose whole
+range (max - min) is below its quantisation step, so that its decode noise (up to a step) exceeds
+its own spread (a typical token of 128 features spans about 3 steps): elsewhere the layout alone,
+without the moments' bytes and their passes at pack and unpack (5-8 % of the zoo's small
+transformers' steps when always held; the range check is one pass, 30-50 us here). Deciding reads
+a value (a device sync on a GPU), so on other devices, and in compiled graphs (static forms), they
+are always held.
 """
 from __future__ import annotations
 
@@ -29,10 +30,7 @@ import torch
 
 from freqact.engine.layouts import LayoutPacked, TokenLayout
 
-__all__ = ["FLAT", "MomentsPacked", "NormLayout", "token_moments", "with_moments"]
-
-FLAT = 4
-"""A token is flat when FLAT times its standard deviation is below its quantisation step."""
+__all__ = ["MomentsPacked", "NormLayout", "token_moments", "with_moments"]
 
 
 def _centred(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,12 +95,12 @@ class NormLayout(TokenLayout):
         """`TokenLayout.encode` (same arguments) and the moments of the encoded view; on the CPU
         without a flat token, the layout's form alone (module docstring)."""
         packed = super().encode(x, noise, seed, view)
-        mean, std = token_moments(x.reshape(packed.shape))
+        tokens = x.reshape(packed.shape)
         if x.device.type == "cpu" and self.stats == "tok":
-            step = packed.quant.step.float().reshape(std.shape)
-            if not bool((std * FLAT < step).any()):
+            spread = tokens.amax(-1) - tokens.amin(-1)
+            if not bool((spread < packed.quant.step.float().reshape(spread.shape)).any()):
                 return packed
-        return MomentsPacked(packed, mean, std)
+        return MomentsPacked(packed, *token_moments(tokens))
 
     def decode(self, packed: MomentsPacked | LayoutPacked) -> torch.Tensor:
         """Returns: the layout's decode (moved onto the held moments), of the view's shape."""
