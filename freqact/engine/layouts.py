@@ -271,6 +271,7 @@ class TokenLayout(Codec):
                 or lfc.shape != plan.view or lfc.block != plan.block
                 or quant.shape != geom.quant_shape
                 or (head > 0) != (packed.head is not None)
+                or not isinstance(packed.dtype, torch.dtype) or not packed.dtype.is_floating_point
                 or (head and (not isinstance(packed.head, DivisionPacked)
                               or tuple(packed.head.shape) != (m, head, f)))):
             raise ValueError(f"packed: parts of shapes {tuple(lfc.shape)}, {tuple(quant.shape)} "

@@ -574,6 +574,8 @@ def token_encode(x: torch.Tensor, geom: TokenGeometry, bits: int, noise: torch.T
         (*quant_shape[:2], ceil(quant_shape[2] * bits / 8)).
     """
     lib = _lib()
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed: expected an integer, got {type(seed).__name__}")
     grouped = x.dim() == 5 and x.shape[0] * x.shape[1] == geom.panel[0] and (
         x.shape[2:] == geom.panel[1:])
     if x.dtype != torch.float32 or not (grouped or x.shape == geom.panel) or (

@@ -122,6 +122,8 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     per_byte = 8 // bits
     if per_byte == 1:
         return q
+    if q.numel() == 0:  # no words to view (torch refuses views of some empty shapes)
+        return q.new_empty((*q.shape[:-1], -(-q.shape[-1] * bits // 8)))
     tail = -q.shape[-1] % per_byte
     q = torch.nn.functional.pad(q, (0, tail)) if tail else q.contiguous()
     word = q.view(_WORD[bits])  # one word per output byte; codes < 2**Q keep it non-negative
@@ -136,6 +138,8 @@ def unpack_codes(codes: torch.Tensor, count: int, bits: int) -> torch.Tensor:
     per_byte = 8 // bits
     if per_byte == 1:
         return codes
+    if codes.numel() == 0:
+        return codes.new_empty((*codes.shape[:-1], count))
     byte = codes.to(_WORD[bits])
     word = byte.clone()
     for k in range(1, per_byte):

@@ -23,6 +23,15 @@ BACKENDS = ["torch", pytest.param("cpu", marks=needs_cc)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_codes_of_any_shape_pack_and_unpack(backend):
+    # Empty work goes to the reference, whose word views raised on some empty shapes
+    u8 = torch.uint8
+    assert K.pack_codes(torch.zeros(3, 0, dtype=u8), 1, backend=backend).shape == (3, 0)
+    assert K.pack_codes(torch.zeros(2, 3, 0, dtype=u8), 4, backend=backend).shape == (2, 3, 0)
+    assert K.unpack_codes(torch.zeros(0, 1, dtype=u8), 3, 2, backend=backend).shape == (0, 3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_buffers_are_checked_before_any_backend_runs(backend):
     codes = torch.zeros(1, 1, dtype=torch.uint8)
     with pytest.raises(ValueError, match="^codes: expected a last dim"):

@@ -208,6 +208,8 @@ def test_bad_noise_and_mismatched_parts_are_refused():
         fused.decode(dataclasses.replace(packed, quant=other.quant))
     with pytest.raises(ValueError, match="^packed"):
         fused.decode(dataclasses.replace(packed, shape=torch.Size([2, 24, 16])))
+    with pytest.raises(ValueError, match="^packed: parts"):  # was a torch.finfo TypeError
+        fused.decode(dataclasses.replace(packed, dtype=torch.int32))
     with pytest.raises(ValueError, match="^packed.codes"):
         fused.decode(dataclasses.replace(packed, quant=dataclasses.replace(
             packed.quant, codes=packed.quant.codes[:, :, :1])))
@@ -232,6 +234,8 @@ def test_bad_noise_and_mismatched_parts_are_refused():
         cpu.token_encode(panel, bad, 2, None, 0)
     with pytest.raises(ValueError, match="^noise: expected shape"):
         cpu.token_encode(panel, geom, 2, torch.rand(2, 20, 16), 0)
+    with pytest.raises(TypeError, match="^seed: expected an integer"):  # was a ctypes error
+        cpu.token_encode(panel, geom, 2, None, 1.5)
 
 
 def test_geometries_that_do_not_map_blocks_one_to_one_onto_the_lfc_are_refused():
