@@ -25,7 +25,6 @@ ValueError naming it. Empty inputs (no maps) give empty outputs, from the refere
 from __future__ import annotations
 
 import functools
-import math
 import numbers
 import os
 import warnings
@@ -40,7 +39,11 @@ from freqact.kernels.format import (
     LfcPacked,
     QuantPacked,
     check_bits,
+    check_code_bytes,
+    check_count,
+    check_mask_bytes,
     check_packed,
+    check_tensor,
     geometry,
 )
 
@@ -119,20 +122,8 @@ def _module(t: torch.Tensor, backend: str | None, serves: tuple[str, ...], empty
 # --- argument checks -----------------------------------------------------------------------------
 
 
-def _tensor(name: str, t: object, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """t if it is a dense (strided) tensor of dtype (any floating dtype when None), else raise."""
-    if dtype is None:
-        _validate.floating_tensor(name, t)
-    elif not isinstance(t, torch.Tensor) or t.dtype != dtype:
-        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-        raise TypeError(f"{name}: expected a {dtype} tensor, got {got}")
-    if t.layout != torch.strided or t.is_nested:
-        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
-    return t
-
-
 def _check_x(x: object, block: int | None) -> Geometry:
-    geom = geometry(_tensor("x", x).shape, block)
+    geom = geometry(check_tensor("x", x).shape, block)
     if geom.maps and not geom.numel:
         raise ValueError(f"x: expected maps of at least one element, got shape {tuple(x.shape)}")
     return geom
@@ -141,7 +132,7 @@ def _check_x(x: object, block: int | None) -> Geometry:
 def _check_noise(noise: object, x: torch.Tensor) -> None:
     if noise is None:
         return
-    _tensor("noise", noise, torch.float32)
+    check_tensor("noise", noise, torch.float32)
     if noise.shape != x.shape or noise.device != x.device:
         raise ValueError(
             f"noise: expected shape {tuple(x.shape)} on {x.device} (like x), "
@@ -153,12 +144,6 @@ def _real(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected a real number, got {value!r}")
     return float(value)
-
-
-def _count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"{name}: expected an integer >= 0, got {value!r}")
-    return int(value)
 
 
 def _seed(noise: torch.Tensor | None, generator: torch.Generator | None = None) -> int:
@@ -294,7 +279,7 @@ def pack_codes(q: torch.Tensor, bits: int, *, backend: str | None = None) -> tor
     Returns:
         uint8 (..., ceil(P * Q / 8)); code i at bit (i % (8 // Q)) * Q of byte i // (8 // Q).
     """
-    _tensor("q", q, torch.uint8)
+    check_tensor("q", q, torch.uint8)
     check_bits(bits)
     if q.dim() == 0:
         raise ValueError("q: expected a tensor with at least one dim, got a scalar")
@@ -310,13 +295,10 @@ def unpack_codes(codes: torch.Tensor, count: int, bits: int, *,
     Raises:
         ValueError: if codes' last dim is not ceil(count * bits / 8) (it must hold count codes).
     """
-    _tensor("codes", codes, torch.uint8)
-    count = _count("count", count)
+    check_tensor("codes", codes, torch.uint8)
+    count = check_count("count", count)
     check_bits(bits)
-    need = -(-count * bits // 8)
-    if codes.dim() == 0 or codes.shape[-1] != need:
-        raise ValueError(f"codes: expected a last dim of ceil(count * bits / 8) = {need} bytes "
-                         f"for count={count}, bits={bits}, got shape {tuple(codes.shape)}")
+    check_code_bytes(codes, count, bits)
     module = _module(codes, backend, ("torch", "cpu"), empty=not codes.numel())
     return module.unpack_codes(codes, count, bits)
 
@@ -334,7 +316,7 @@ def pack_mask(x: torch.Tensor, lower: float, upper: float | None = None, *,
     Returns:
         uint8 (ceil(x.numel() / 8),) on x's device.
     """
-    _tensor("x", x)
+    check_tensor("x", x)
     lower = _real("lower", lower)
     upper = None if upper is None else _real("upper", upper)
     serves = ("torch", "cpu") if x.dtype == torch.float32 else ("torch",)
@@ -349,17 +331,14 @@ def unpack_mask(packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype, off
     Raises:
         ValueError: if packed is not 1-D with ceil(prod(shape) / 8) bytes.
     """
-    _tensor("packed", packed, torch.uint8)
+    check_tensor("packed", packed, torch.uint8)
     if not isinstance(shape, (tuple, list, torch.Size)):
         raise TypeError(f"shape: expected a tuple of sizes, got {type(shape).__name__}")
-    shape = torch.Size([_count("shape", s) for s in shape])
+    shape = torch.Size([check_count("shape", s) for s in shape])
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
     off, on = _real("off", off), _real("on", on)
-    need = -(-math.prod(shape) // 8)
-    if packed.dim() != 1 or packed.numel() != need:
-        raise ValueError(f"packed: expected a 1-D tensor of ceil(prod(shape) / 8) = {need} bytes "
-                         f"for shape {tuple(shape)}, got shape {tuple(packed.shape)}")
+    check_mask_bytes(packed, shape)
     serves = ("torch", "cpu") if dtype == torch.float32 else ("torch",)
     module = _module(packed, backend, serves, empty=not packed.numel())
     return module.unpack_mask(packed, shape, dtype, off, on)

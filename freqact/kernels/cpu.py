@@ -48,7 +48,17 @@ from pathlib import Path
 
 import torch
 
-from freqact.kernels.format import Geometry, _check_part, as_maps, check_bits, saturating_cast
+from freqact.kernels.format import (
+    Geometry,
+    _check_part,
+    as_maps,
+    check_bits,
+    check_code_bytes,
+    check_count,
+    check_mask_bytes,
+    check_tensor,
+    saturating_cast,
+)
 
 __all__ = ["COMPILE_TIMEOUT_S", "TokenGeometry", "available", "decode", "encode", "library_path",
            "load_library", "loaded", "pack_codes", "pack_mask", "token_decode", "token_encode",
@@ -399,9 +409,8 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     """As `reference.pack_codes`: uint8 codes (..., P) -> uint8 (..., ceil(P * bits / 8))."""
     lib = _lib()
     bits = check_bits(bits)
-    if q.dtype != torch.uint8 or q.device.type != "cpu" or q.dim() < 1:
-        raise ValueError(f"q: expected uint8 codes (..., P) on the CPU, got {q.dtype} "
-                         f"{tuple(q.shape)} on {q.device}")
+    if check_tensor("q", q, torch.uint8).dim() == 0:
+        raise ValueError("q: expected a tensor with at least one dim, got a scalar")
     q = q.contiguous()
     count = q.shape[-1]
     out = torch.empty((*q.shape[:-1], -(-count * bits // 8)), dtype=torch.uint8)
@@ -414,14 +423,8 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_codes(codes: torch.Tensor, count: int, bits: int) -> torch.Tensor:
     """As `reference.unpack_codes`: uint8 (..., ceil(count * bits / 8)) -> uint8 (..., count)."""
     lib = _lib()
-    bits = check_bits(bits)
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ValueError(f"count: expected an integer >= 0, got {count!r}")
-    if (codes.dtype != torch.uint8 or codes.device.type != "cpu" or codes.dim() < 1
-            or codes.shape[-1] != -(-count * bits // 8)):
-        raise ValueError(f"codes: expected uint8 (..., {-(-count * bits // 8)}) on the CPU for "
-                         f"{count} {bits}-bit codes, got {codes.dtype} {tuple(codes.shape)} on "
-                         f"{codes.device}")
+    bits, count = check_bits(bits), check_count("count", count)
+    check_code_bytes(check_tensor("codes", codes, torch.uint8), count, bits)
     codes = codes.contiguous()
     out = torch.empty((*codes.shape[:-1], count), dtype=torch.uint8)
     rows = codes.numel() // max(codes.shape[-1], 1)
@@ -446,11 +449,7 @@ def unpack_mask(packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype, off
     """As `reference.unpack_mask` for dtype float32 (the only one the dispatch sends here): a
     float32 CPU tensor of `shape`."""
     lib = _lib()
-    nbytes = -(-math.prod(shape) // 8)
-    if packed.dtype != torch.uint8 or packed.device.type != "cpu" or packed.numel() != nbytes:
-        raise ValueError(f"packed: expected {nbytes} uint8 bytes on the CPU for shape "
-                         f"{tuple(shape)}, got {packed.dtype} {tuple(packed.shape)} on "
-                         f"{packed.device}")
+    check_mask_bytes(check_tensor("packed", packed, torch.uint8), shape)
     packed = packed.contiguous()
     out = torch.empty(shape, dtype=torch.float32)
     lib.freqact_unpack_mask(_c_int64("numel", out.numel()), packed.data_ptr(), off, on,

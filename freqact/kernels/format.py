@@ -263,6 +263,41 @@ def check_bits(bits: object) -> int:
     return _validate.choice("bits", _validate.positive_int("bits", bits), BITS)
 
 
+def check_tensor(name: str, t: object, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """t if it is a dense (strided) tensor of dtype (any floating dtype when None), else raise."""
+    if dtype is None:
+        _validate.floating_tensor(name, t)
+    elif not isinstance(t, torch.Tensor) or t.dtype != dtype:
+        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TypeError(f"{name}: expected a {dtype} tensor, got {got}")
+    if t.layout != torch.strided or t.is_nested:
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
+    return t
+
+
+def check_count(name: str, value: object) -> int:
+    """value as an int if it is an integer >= 0 (not a bool), else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name}: expected an integer >= 0, got {value!r}")
+    return int(value)
+
+
+def check_code_bytes(codes: torch.Tensor, count: int, bits: int) -> None:
+    """Refuse codes whose last dim does not hold count bits-bit codes, ceil(count * bits / 8)."""
+    need = -(-count * bits // 8)
+    if codes.dim() == 0 or codes.shape[-1] != need:
+        raise ValueError(f"codes: expected a last dim of ceil(count * bits / 8) = {need} bytes "
+                         f"for count={count}, bits={bits}, got shape {tuple(codes.shape)}")
+
+
+def check_mask_bytes(packed: torch.Tensor, shape: torch.Size) -> None:
+    """Refuse a packed mask that is not 1-D with one bit per element of shape."""
+    need = -(-math.prod(shape) // 8)
+    if packed.dim() != 1 or packed.numel() != need:
+        raise ValueError(f"packed: expected a 1-D tensor of ceil(prod(shape) / 8) = {need} bytes "
+                         f"for shape {tuple(shape)}, got shape {tuple(packed.shape)}")
+
+
 def _check_part(name: str, t: object, dtype: torch.dtype, shape: list[int],
                 device: torch.device | None) -> torch.device:
     if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.layout != torch.strided:
