@@ -342,8 +342,13 @@ def _synthesis(coeffs: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
 
 
 def _lowpass_compute(x: torch.Tensor, ratio, dims, window, rule) -> torch.Tensor:
-    """Low-pass part in x's compute dtype: one separable projection per axis (= iDCT(DCT(x) * M))."""
-    kept = _windows(x.shape[x.dim() - dims :], ratio, window, rule)
+    """Low-pass part in x's compute dtype: one separable projection per axis (= iDCT(DCT(x) * M));
+    x itself where the mask keeps every coefficient (the round trip would leave rounding noise
+    in the empty high band)."""
+    sizes = tuple(x.shape[x.dim() - dims :])
+    kept = _windows(sizes, ratio, window, rule)
+    if tuple(kept) == sizes:
+        return x.to(_compute_dtype(x), copy=True)
     if _fast(x, dims):
         corner = cpu_dct.dct_corner(_as_2d(x, dims), *((1,) * (2 - dims) + tuple(kept)))
         return cpu_dct.idct_corner(corner, *((1,) * (2 - dims) + x.shape[x.dim() - dims :])).view(x.shape)

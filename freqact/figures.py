@@ -221,7 +221,7 @@ def make_all(
         say = progress or (lambda line: None)
         made: dict[str, Figure] = {}
 
-        say(f"lambdas: λ per block output across the checkpoints of {main_run}")
+        say(f"lambdas: λ of the {_MAPS[layers]} across the checkpoints of {main_run}")
         shared = {"data_dir": data_dir, "device": device, "reuse": True}  # every analysis pipeline's
         done = pipelines.lambdas_analysis(
             [main_run], out, ratio=ratio, rule=rule, layers=layers, images=lambda_images, **shared,

@@ -53,12 +53,12 @@ def _runs(rows: Sequence[dict]) -> list[str]:
     return list(dict.fromkeys(str(r.get("run") or "") for r in rows))
 
 
-def _checkpoint_title(row: dict, rows: Sequence[dict]) -> str:
-    """"epoch E" of a row's checkpoint, "RUN, epoch E" when `rows` hold several runs; the
+def _checkpoint_title(row: dict, several_runs: bool) -> str:
+    """"epoch E" of a row's checkpoint, "RUN, epoch E" when its table holds several runs; the
     checkpoint's file name without an epoch."""
     if row.get("epoch") in (None, ""):
         return Path(str(row.get("checkpoint", ""))).name
-    run = f"{row['run']}, " if len(_runs(rows)) > 1 else ""
+    run = f"{row['run']}, " if several_runs else ""
     return f"{run}epoch {row['epoch']}"
 
 
@@ -85,10 +85,12 @@ def lambdas_figure(rows: Sequence[dict], stem: str | os.PathLike, *, note: str =
     _require(rows, ("layer", "lam_L", "lam_H"), "lambdas")
     panels: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     titles: dict[str, str] = {}
+    several_runs = len(_runs(rows)) > 1  # once: a table has a row per layer and image
     for row in rows:
         key = str(row.get("checkpoint", ""))
         panels[key][row["layer"]].append(row)
-        titles[key] = _checkpoint_title(row, rows)
+        if key not in titles:
+            titles[key] = _checkpoint_title(row, several_runs)
     fig = Figure(figsize=(max(6.0, 0.35 * max(len(p) for p in panels.values()) + 2), 3.2 * len(panels)))
     axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
     for ax, (key, layers) in zip(axes, panels.items()):
@@ -173,7 +175,7 @@ def theorem31_figure(rows: Sequence[dict], stem: str | os.PathLike, *,
     _require(rows, ("layer", "err_L", "err_H", "GEB_L", "GEB_H"), "theorem31")
     last = rows[-1].get("checkpoint")
     several = len({r.get("checkpoint") for r in rows}) > 1
-    shown = _checkpoint_title(rows[-1], rows) if several else ""
+    shown = _checkpoint_title(rows[-1], len(_runs(rows)) > 1) if several else ""
     rows = [r for r in rows if r.get("checkpoint") == last]
     layers = [r["layer"] for r in rows]
     panels = 3 + bool(fidelity)

@@ -310,21 +310,18 @@ def output_lock(path: str | os.PathLike) -> Iterator[None]:
     Raises:
         RunDirBusy: if another process or thread writes into `path`; the message names it.
     """
-    held = _HELD.__dict__.setdefault("folders", {})
+    held = _HELD.__dict__.setdefault("folders", {})  # folder -> depth of this thread's holds
     key = Path(path).resolve()
-    if key in held:
-        held[key] += 1
+    with contextlib.ExitStack() as stack:
+        if key not in held:
+            stack.enter_context(RunDir(path).lock())
+        held[key] = held.get(key, 0) + 1
         try:
             yield
         finally:
             held[key] -= 1
-        return
-    with RunDir(path).lock():
-        held[key] = 1
-        try:
-            yield
-        finally:
-            del held[key]
+            if not held[key]:
+                del held[key]
 
 
 def reaches(metrics: Sequence[dict], epochs: int) -> bool:

@@ -381,7 +381,7 @@ def test_compare_properties():
 def test_compare_window_rounds_size_over_block_half_up(size, block, kept):
     # 20/8 = 2.5 -> 3 (Python's round would give 2), 36/8 = 4.5 -> 5 (round: 4)
     row = pooling.compare(torch.randn(1, 2, size, size, dtype=torch.float64), block)
-    assert row["window"] == f"{kept}x{kept}" == "x".join([str(math.floor(size / block + 0.5) or 1)] * 2)
+    assert row["window"] == f"{kept}x{kept}"  # the parametrised values, worked out by hand
 
 
 def test_pooling_measure_rows():

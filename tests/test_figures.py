@@ -225,8 +225,8 @@ def test_figures_label_checkpoints_and_lines_by_run_when_there_are_several():
 
     one_run = [{"run": "runs/a", "checkpoint": "runs/a/ckpt/epoch-0001.pt", "epoch": 1}]
     two_runs = one_run + [{"run": "runs/b", "checkpoint": "runs/b/ckpt/epoch-0001.pt", "epoch": 1}]
-    assert plots._checkpoint_title(one_run[0], one_run) == "epoch 1"
-    assert [plots._checkpoint_title(r, two_runs) for r in two_runs] == ["runs/a, epoch 1", "runs/b, epoch 1"]
+    assert plots._checkpoint_title(one_run[0], several_runs=False) == "epoch 1"
+    assert [plots._checkpoint_title(r, several_runs=True) for r in two_runs] == ["runs/a, epoch 1", "runs/b, epoch 1"]
     fidelity = [{"run": run, "epoch": e, "cos_L": c, "cos_H": c / 2}
                 for run, c in (("runs/a", 0.9), ("runs/b", 0.5)) for e in (1, 2)]
     ax = Figure().subplots()

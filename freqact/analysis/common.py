@@ -256,7 +256,7 @@ def run_of(checkpoint: str | os.PathLike) -> Path:
     """The run directory of a checkpoint in `RUN/ckpt/`, else the checkpoint's folder (as given,
     not resolved: it labels rows and figures)."""
     parent = Path(checkpoint).parent
-    return parent.parent if parent.name == RunDir(parent.parent).ckpt_dir.name else parent
+    return parent.parent if RunDir(parent.parent).ckpt_dir == parent else parent
 
 
 def where(path: Path, ckpt: dict) -> dict:
