@@ -17,7 +17,7 @@ On the CPU, eager `NormLayout` holds them only for a tensor with a flat token, o
 range (max - min) is below its quantisation step, so that its decode noise (up to a step) exceeds
 its own spread (a typical token of 128 features spans about 3 steps): elsewhere the layout alone,
 without the moments' bytes and their passes at pack and unpack (5-8 % of the zoo's small
-transformers' steps when always held; the range check is one pass, 30-50 us here). Deciding reads
+transformers' steps when always held; the range check is one pass of C, `cpu.token_flat`). Deciding reads
 a value (a device sync on a GPU), so on other devices, and in compiled graphs (static forms), they
 are always held.
 """
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from freqact.engine.layouts import LayoutPacked, TokenLayout
+from freqact.kernels import cpu, reference
 
 __all__ = ["MomentsPacked", "NormLayout", "token_moments", "with_moments"]
 
@@ -97,8 +98,10 @@ class NormLayout(TokenLayout):
         packed = super().encode(x, noise, seed, view)
         tokens = x.reshape(packed.shape)
         if x.device.type == "cpu" and self.stats == "tok":
-            spread = tokens.amax(-1) - tokens.amin(-1)
-            if not bool((spread < packed.quant.step.float().reshape(spread.shape)).any()):
+            step = packed.quant.step  # (M, T): one map per token
+            fused = tokens.dtype == torch.float32 and tokens.dim() == 3 and self._fused(tokens)
+            flat = cpu.token_flat if fused else reference.token_flat
+            if not flat(tokens, step):
                 return packed
         return MomentsPacked(packed, *token_moments(tokens))
 

@@ -281,10 +281,12 @@ def direct_saves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
             scores.add_(mask.detach())
         # ATen's _safe_softmax (softmax, then zeros where a row is all -inf) in fewer passes
         # (about 60 % of its time on Swin's shapes): a row's max is -inf exactly when the row
-        # is all -inf (a NaN makes the max NaN, as it makes the row not all -inf)
+        # is all -inf (a NaN makes the max NaN, as it makes the row not all -inf). Such a row's
+        # softmax is NaN, so rows are looked for only when p's sum is NaN (probabilities sum to
+        # at most p.numel(): no overflow), one fast pass (19 vs 174 us on (256, 3, 16, 16)).
         p = torch.softmax(scores, -1)
-        masked = scores.amax(-1, keepdim=True) == float("-inf")
-        if masked.any():
+        if p.sum().isnan():
+            masked = scores.amax(-1, keepdim=True) == float("-inf")
             p.masked_fill_(masked, 0.0)
         return [k_t.reshape(n * heads, d, t), q_s.view(n * heads, t, d), p,
                 v.reshape(n * heads, t, v.shape[-1]), p.view(n * heads, t, t)]

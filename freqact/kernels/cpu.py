@@ -62,6 +62,7 @@ from freqact.kernels.format import (
 
 __all__ = ["COMPILE_TIMEOUT_S", "TokenGeometry", "available", "decode", "encode", "library_path",
            "load_library", "loaded", "pack_codes", "pack_mask", "token_decode", "token_encode",
+           "token_flat",
            "unavailable_reason", "unpack_codes", "unpack_mask", "vector_halves"]
 
 SOURCE = Path(__file__).with_name("cpu_division.c")
@@ -80,6 +81,7 @@ _SIGNATURES = {
     "freqact_unpack_mask": ([_i64, _ptr, ctypes.c_float, ctypes.c_float, _ptr, _int], None),
     "freqact_token_encode": ([_ptr, _int] + [_ptr] * 2 + [_u64] + [_ptr] * 4 + [_int], _int),
     "freqact_token_decode": ([_ptr, _int] + [_ptr] * 5 + [_int], _int),
+    "freqact_token_flat": ([_ptr, _ptr, _ptr, _int], _int),
     "freqact_vector_halves": ([], _int),
 }
 _INT64_MAX = 2**63 - 1
@@ -634,3 +636,37 @@ def token_decode(lfc: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes:
                                       _threads())
     if status != 0:
         raise MemoryError("token_decode: out of memory for the per-thread scratch buffers")
+
+
+def token_flat(x: torch.Tensor, step: torch.Tensor) -> bool:
+    """`reference.token_flat` in one pass of C: whether some token's values span less than its
+    step (max - min < step in float32; never a token with a NaN).
+
+    Args:
+        x: float32 CPU (M, T, F), F >= 1, any strides (read in place).
+        step: bfloat16 CPU (M, T).
+
+    Raises:
+        ValueError: naming x or step when its dtype, shape or device is not that.
+    """
+    if (x.dtype != torch.float32 or x.dim() != 3 or x.shape[2] < 1 or x.device.type != "cpu"
+            or x.layout != torch.strided):
+        raise ValueError(f"x: expected a float32 (M, T, F >= 1) strided CPU tensor, got "
+                         f"{x.dtype} {tuple(x.shape)} on {x.device}")
+    _check_part("step", step, torch.bfloat16, list(x.shape[:2]), torch.device("cpu"))
+    if x.numel() == 0:
+        return False
+    step = step.contiguous()
+    return bool(_lib().freqact_token_flat(_flat_args(tuple(x.shape), x.stride()), x.data_ptr(),
+                                          step.data_ptr(), _threads()))
+
+
+@functools.lru_cache(maxsize=1024)  # a few shapes per model, asked at every norm input's pack
+def _flat_args(shape: tuple[int, ...], strides: tuple[int, ...]):
+    """The C array (M, T, F, sm, st, sf) of `token_flat`: x's own shape and strides (so every
+    element read is x's), each value and each extent size * stride range-checked."""
+    _c_int64("x.numel()", math.prod(shape))
+    for size, stride in zip(shape, strides):
+        _c_int64("x's extent", size * stride)
+    values = (*shape, *strides)
+    return (ctypes.c_int64 * 6)(*(_c_int64("x's shape and strides", v) for v in values))

@@ -2060,6 +2060,61 @@ int freqact_token_decode(const int64_t *geom, int bits, const uint16_t *lfc, con
     return failed ? -1 : 0;
 }
 
+/* --- flat tokens ------------------------------------------------------------------------------
+ * Whether a norm input holds a token whose own spread is below its quantisation step
+ * (`moments.NormLayout`; `reference.token_flat` is the specification): token r (of M x T, at
+ * (r / T) * sm + (r % T) * st, its F features sf apart) is flat when max - min < float(step[r])
+ * in float32, and never when it holds a NaN (torch's amax - amin is then NaN, which compares
+ * false). Infinities compare as torch's: all +inf gives inf - inf = NaN, not flat. */
+
+/* min and max of a token's F values (NaNs left out; *nan says whether there was one). */
+static void token_range(const float *p, int64_t F, int64_t sf, float *mn_out, float *mx_out,
+                        int *nan_out) {
+    float mn = INFINITY, mx = -INFINITY;
+    int nan = 0;
+    int64_t f = 0;
+    if (sf == 1 && F >= 8) {
+        f32x8 lo = splat8(INFINITY), hi = splat8(-INFINITY), v;
+        i32x8 bad = {0};
+        for (; f + 8 <= F; f += 8) {
+            memcpy(&v, p + f, sizeof v);
+            lo = less8(v, lo); /* a NaN v keeps lo: NaNs are counted apart */
+            hi = greater8(v, hi);
+            bad |= v != v;
+        }
+        nan = any8(bad);
+        for (int l = 0; l < 8; l++) {
+            mn = lo[l] < mn ? lo[l] : mn;
+            mx = hi[l] > mx ? hi[l] : mx;
+        }
+    }
+    for (; f < F; f++) {
+        const float v = p[f * sf];
+        nan |= v != v;
+        mn = v < mn ? v : mn;
+        mx = v > mx ? v : mx;
+    }
+    *mn_out = mn, *mx_out = mx, *nan_out = nan;
+}
+
+/* geom: M, T, F, sm, st, sf (checked in Python: every token read lies in x). Returns 1 when some
+ * token is flat, else 0. */
+int freqact_token_flat(const int64_t *geom, const float *x, const uint16_t *step, int threads) {
+    const int64_t M = geom[0], T = geom[1], F = geom[2], sm = geom[3], st = geom[4], sf = geom[5];
+    int flat = 0;
+    /* a thread per 2^15 values at most: a smaller share costs its wake-up more than its work */
+#pragma omp parallel for collapse(2) schedule(static) \
+    num_threads(team(M * T * F >> 15, threads)) reduction(| : flat)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t t = 0; t < T; t++) {
+            float mn, mx;
+            int nan;
+            token_range(x + m * sm + t * st, F, sf, &mn, &mx, &nan);
+            flat |= !nan && mx - mn < bf16_to_float(step[m * T + t]);
+        }
+    return flat;
+}
+
 
 /* --- small maps 16 at a time (the map encode, on the token layouts' column kernels) -----------
  *

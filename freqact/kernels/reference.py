@@ -34,8 +34,8 @@ from freqact.kernels.format import (
     saturating_cast,
 )
 
-__all__ = ["decode", "encode", "lfc_encode", "pack_codes", "pack_mask", "unpack_codes",
-           "unpack_mask"]
+__all__ = ["decode", "encode", "lfc_encode", "pack_codes", "pack_mask", "token_flat",
+           "unpack_codes", "unpack_mask"]
 
 
 def _unblocked(tb: torch.Tensor, geom: Geometry) -> torch.Tensor:
@@ -261,3 +261,15 @@ def decode(lfc: torch.Tensor | None, lo: torch.Tensor | None, step: torch.Tensor
             redo = ~out.isfinite() & quarter.isfinite()
             out = torch.where(redo, (quarter * 4).clamp(-FLT_MAX, FLT_MAX), out)
     return saturating_cast(_unblocked(out, geom), dtype).contiguous()
+
+
+def token_flat(x: torch.Tensor, step: torch.Tensor) -> bool:
+    """Whether some token's values span less than its step (`moments.NormLayout`'s test for a
+    flat token): max - min < step over the last dim, in x's dtype against step as float32; a
+    token with a NaN never is (its spread is NaN).
+
+    Args:
+        x: (M, T, F) floating, F >= 1; step: (M, T) (a quant part's bf16 step per token).
+    """
+    spread = x.amax(-1) - x.amin(-1)
+    return bool((spread < step.float().reshape(spread.shape)).any())

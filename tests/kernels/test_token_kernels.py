@@ -347,3 +347,70 @@ def test_bits_are_checked_at_every_call_even_after_a_cached_geometry(bits):
         cpu.token_encode(panel, geom, bits, None, 0)
     with pytest.raises((TypeError, ValueError), match="bits"):
         cpu.token_decode(lfc, lo, step, codes, geom, bits, torch.empty(2, 16, 16))
+
+
+def _flat_cases(gen):
+    """(x, step) pairs: tokens of random spread against random steps, with constant tokens,
+    NaN and infinite values and steps, and spreads equal to their step (not below it)."""
+    cases = []
+    for trial in range(300):
+        m, t = (int(v) for v in torch.randint(1, 7, (2,), generator=gen))
+        f = int(torch.randint(1, 40, (1,), generator=gen))
+        x = torch.randn(m, t, f, generator=gen) * float(torch.rand(1, generator=gen) * 8)
+        step = (torch.rand(m, t, generator=gen) * float(torch.rand(1, generator=gen) * 4))
+        kind = trial % 8
+        if kind == 1:
+            x[-1, -1] = float(x[-1, -1, 0])  # a constant token
+        elif kind == 2:
+            x.view(-1)[int(torch.randint(0, x.numel(), (1,), generator=gen))] = float("nan")
+        elif kind == 3:
+            x[0, 0, :] = float("inf")  # inf - inf is NaN: not flat
+        elif kind == 4:
+            x[0, 0, -1] = -float("inf")
+        elif kind == 5:
+            step[0, 0] = float(("inf", "nan")[trial % 2])
+        elif kind == 6:  # every token spans exactly its step: none is below it
+            x = torch.zeros(m, t, f)
+            x[..., -1] = 0.75
+            step.fill_(0.75)
+        cases.append((x, step.bfloat16()))
+    return cases
+
+
+def test_token_flat_equals_the_reference_in_any_memory_layout():
+    # moments.NormLayout asks whether a norm input has a token spanning less than its
+    # quantisation step; the C pass must answer as the torch definition does, whatever strides
+    gen = torch.Generator().manual_seed(11)
+    answers = set()
+    for x, step in _flat_cases(gen):
+        for view in _layouts_of(x):
+            expected = K.reference.token_flat(view, step)
+            assert cpu.token_flat(view, step) == expected, (view.shape, view.stride())
+            answers.add(expected)
+    assert answers == {True, False}
+    # the exact-tie cases really tie, and a constant token really is flat
+    tie = torch.zeros(2, 3, 9)
+    tie[..., -1] = 0.75
+    assert not cpu.token_flat(tie, torch.full((2, 3), 0.75, dtype=torch.bfloat16))
+    assert cpu.token_flat(tie, torch.full((2, 3), 0.8, dtype=torch.bfloat16))
+
+
+def test_token_flat_is_thread_independent_on_large_inputs():
+    x = torch.randn(8, 300, 96, generator=torch.Generator().manual_seed(2))
+    step = torch.full((8, 300), 0.05, dtype=torch.bfloat16)
+    x[5, 217] = 1.0  # one flat token, in the second thread's share
+    assert at_thread_counts(lambda: cpu.token_flat(x, step), (1, 2, 3)) == [True] * 3
+    x[5, 217, 0] = 2.0
+    assert at_thread_counts(lambda: cpu.token_flat(x, step), (1, 2, 3)) == [False] * 3
+
+
+@pytest.mark.parametrize(("x", "step", "match"), [
+    (torch.zeros(2, 3, 4, dtype=torch.float64), torch.zeros(2, 3, dtype=torch.bfloat16), "x:"),
+    (torch.zeros(2, 3), torch.zeros(2, dtype=torch.bfloat16), "x:"),
+    (torch.zeros(2, 3, 0), torch.zeros(2, 3, dtype=torch.bfloat16), "x:"),
+    (torch.zeros(2, 3, 4), torch.zeros(2, 3), "step"),
+    (torch.zeros(2, 3, 4), torch.zeros(3, 2, dtype=torch.bfloat16), "step"),
+])
+def test_token_flat_refuses_what_it_cannot_read(x, step, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        cpu.token_flat(x, step)
