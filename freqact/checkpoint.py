@@ -16,6 +16,7 @@ import os
 import pickle
 import secrets
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -182,27 +183,30 @@ def _unpickling_reason(err: pickle.UnpicklingError) -> str:
     return detail or "its pickle asks for more than tensors and plain types"
 
 
-def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"
-               ) -> tuple[torch.nn.Module, dict]:
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
+               required: Sequence[str] = ()) -> tuple[torch.nn.Module, dict]:
     """Rebuild the model a checkpoint holds, with its trained weights, in eval mode.
 
     Args:
         path: a checkpoint written by `freqact train`.
         device: where to put the model.
+        required: config keys the caller reads besides "model" and "num_classes" (e.g. "dataset");
+            missing or None, they are refused with the others, before anything is built.
 
     Returns:
         (model, ckpt): the model `build_model(config["model"], config["num_classes"],
         config.get("model_options"))` with the checkpoint's weights, and the checkpoint dict.
 
     Raises:
-        ValueError: if the device is not one this machine has, the file is not a checkpoint, its
-            config is not one `freqact train` writes (checked before anything is built: a known
+        ValueError: if the device is not one this machine has, the file is not a checkpoint, it
+            lacks its "epoch" or a config key (one line naming the file and every missing key), its
+            config is not one `freqact train` writes (all checked before anything is built: a known
             model, 1 <= num_classes <= MAX_CLASSES, ...), or its weights do not fit the named
             model.
     """
     device = pick_device(str(device))  # "cuda" without CUDA: the message, not torch's assertion
     ckpt = load(path)
-    config = _checked_config(path, ckpt)
+    config = _checked_config(path, ckpt, required)
     if not isinstance(ckpt.get("model"), dict):
         raise ValueError(f"{path}: expected its 'model' entry to be a state dict")
     _check_size(path, config, ckpt["model"])
@@ -239,16 +243,22 @@ def _check_size(path, config: dict, state: dict) -> None:
                          f"values, the checkpoint {stored}")
 
 
-def _checked_config(path, ckpt: dict) -> dict:
+def _checked_config(path, ckpt: dict, required: Sequence[str] = ()) -> dict:
     """The checkpoint's config, its fields checked before a model is built from them.
 
-    A crafted config must not make the rebuild allocate (num_classes = 10**9 is a 10**9-row
-    classifier) nor reach code paths with values of the wrong type.
+    The checkpoint's "epoch" and the config's "model", "num_classes" and `required` keys must be
+    present and not None (one line names the file and every one missing). A crafted config must
+    not make the rebuild allocate (num_classes = 10**9 is a 10**9-row classifier) nor reach code
+    paths with values of the wrong type.
     """
     config = ckpt.get("config")
-    if not isinstance(config, dict) or not {"model", "num_classes"} <= config.keys():
-        raise ValueError(f"{path}: its config lacks 'model' and 'num_classes' "
-                         "(not written by freqact train)")
+    config = config if isinstance(config, dict) else {}
+    missing = [key for key in dict.fromkeys(("model", "num_classes", *required)) if config.get(key) is None]
+    lacks = (["lacks 'epoch'"] if ckpt.get("epoch") is None else []) + (
+        [f"its config lacks {', '.join(map(repr, missing))}"] if missing else [])
+    if lacks:
+        raise ValueError(f"{path}: {' and '.join(lacks)}, which freqact train writes "
+                         "(not a freqact checkpoint, or damaged)")
     if config["model"] not in models.names():
         raise ValueError(f"{path}: config model: expected one of {', '.join(models.names())}, "
                          f"got {config['model']!r}")

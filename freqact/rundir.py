@@ -346,14 +346,14 @@ def check_folder(path: str | os.PathLike, argument: str = "out") -> Path:
     return path
 
 
-def require_keys(where: str | os.PathLike, mapping: dict, keys: Sequence[str], what: str = "") -> None:
-    """Refuse a stored dict (a config, a checkpoint) that lacks one of `keys` or holds None there.
+def require_keys(where: str | os.PathLike, mapping: dict, keys: Sequence[str]) -> None:
+    """Refuse a stored dict (a run's config) that lacks one of `keys` or holds None there
+    (a checkpoint's keys: `checkpoint.load_model(required=)`).
 
     Args:
         where: the file, named in the message.
         mapping: what was read from it.
         keys: the keys the caller reads.
-        what: the part of the file `mapping` is, e.g. "its config " (with a trailing space).
 
     Raises:
         ValueError: one line naming `where` and the first missing key.
@@ -365,7 +365,7 @@ def require_keys(where: str | os.PathLike, mapping: dict, keys: Sequence[str], w
     """
     missing = [key for key in keys if mapping.get(key) is None]
     if missing:
-        raise ValueError(f"{where}: {what}lacks {missing[0]!r}, which freqact train writes "
+        raise ValueError(f"{where}: lacks {missing[0]!r}, which freqact train writes "
                          "(not a freqact run's file, or damaged)")
 
 

@@ -530,6 +530,17 @@ def test_a_checkpoint_lacking_what_the_analyses_read_is_refused_in_one_line(tiny
     assert err.count("\n") == 1 and str(path) in err and f"lacks {key!r}" in err
 
 
+def test_a_checkpoint_lacking_several_keys_is_refused_once_before_its_model_is_built(tiny_run, tmp_path,
+                                                                                     monkeypatch):
+    ckpt = checkpoint.load(tiny_run / "ckpt" / "epoch-0001.pt")
+    del ckpt["epoch"], ckpt["config"]["dataset"]
+    path = tmp_path / "bad.pt"
+    checkpoint.save(path, ckpt)
+    monkeypatch.setattr(models, "get", lambda *a, **k: pytest.fail("built a model"))
+    with pytest.raises(ValueError, match=r"bad\.pt: lacks 'epoch' and its config lacks 'dataset', 'mode',"):
+        common.load_checkpoint(path, config_keys=("dataset", "mode"))
+
+
 def _other_model_run(root, name="mobilenet_v2", dataset="synthetic"):
     """A run directory with one checkpoint of another model (or dataset) than `tiny_run`'s."""
     config = {"model": name, "num_classes": 10, "dataset": dataset, "data_dir": None, "seed": 0,

@@ -103,6 +103,18 @@ def test_load_model_rebuilds_the_weights(tmp_path):
     torch.testing.assert_close(model(x), trained.eval()(x), rtol=0, atol=0)
 
 
+def test_load_model_names_every_missing_key_before_building(tmp_path, monkeypatch):
+    ckpt = _ckpt(models.get("mlp", num_classes=10))
+    del ckpt["epoch"]
+    path = tmp_path / "c.pt"
+    checkpoint.save(path, ckpt)
+    monkeypatch.setattr(models, "get", lambda *a, **k: pytest.fail("built a model"))
+    with pytest.raises(ValueError) as refusal:
+        checkpoint.load_model(path, required=("dataset", "mode", "dataset"))
+    assert str(refusal.value) == (f"{path}: lacks 'epoch' and its config lacks 'dataset', 'mode', which "
+                                  "freqact train writes (not a freqact checkpoint, or damaged)")
+
+
 def test_load_model_mismatch_is_a_clear_error(tmp_path):
     path = tmp_path / "c.pt"
     checkpoint.save(path, _ckpt(torch.nn.Linear(3, 2), name="mlp"))

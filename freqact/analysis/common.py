@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from freqact import _validate, checkpoint, data, rundir
+from freqact import _validate, checkpoint, data
 from freqact.checkpoint import atomic_write
 from freqact.kernels import format
 from freqact.models import BLOCK_TYPES
@@ -195,17 +195,15 @@ def resolve_checkpoints(paths: Sequence[str | os.PathLike]) -> list[Path]:
 
 def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
                     config_keys: Sequence[str] = ("dataset",)) -> tuple[nn.Module, dict]:
-    """`checkpoint.load_model(path, device)`, refused in one line (naming the file and the key)
-    when the checkpoint lacks its "epoch" or its config lacks one of `config_keys` (what the
-    analyses read: the dataset the fixed test batch comes from).
+    """`checkpoint.load_model(path, device, required=config_keys)`: a checkpoint without its
+    "epoch" or a config without one of `config_keys` (what the analyses read: the dataset the fixed
+    test batch comes from) is refused in one line naming the file and the keys, before its model
+    is built.
 
     Returns:
         (model in eval mode, checkpoint dict).
     """
-    model, ckpt = checkpoint.load_model(path, device)
-    rundir.require_keys(path, ckpt, ["epoch"])
-    rundir.require_keys(path, ckpt["config"], config_keys, what="its config ")
-    return model, ckpt
+    return checkpoint.load_model(path, device, required=config_keys)
 
 
 def model_identity(config: dict) -> tuple[str, str, str]:
