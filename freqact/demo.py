@@ -72,6 +72,12 @@ class Plan:
     pooling_images: int = pipelines.POOLING_IMAGES
     seed: int = 0
 
+    def figure_settings(self) -> dict:
+        """The settings the demo draws its figures with: `figures.make_all`'s keyword arguments,
+        which `regenerate_command` names as `freqact figures` options."""
+        return {"ratio": self.ratio, "lambda_images": self.lambda_images,
+                "theorem_images": self.theorem_images, "pooling_images": self.pooling_images}
+
 
 PLAN = Plan()
 QUICK_PLAN = Plan(subset=64, epochs=2, batch_size=32, lambda_images=8, theorem_images=8,
@@ -232,11 +238,8 @@ def _run(out: Path, plan: Plan, *, data_dir, download: bool, offline: bool, devi
             out=str(runs_dir / mode), save_epochs=list(range(1, plan.epochs + 1)))
         results[mode] = train.train(config)
     stage(stages - 1, "analysing the runs and drawing the figures")
-    figs = figures.make_all(
-        [runs_dir / mode for mode in MODES], out / "figures", ratio=plan.ratio,
-        lambda_images=plan.lambda_images, theorem_images=plan.theorem_images,
-        pooling_images=plan.pooling_images, device=device,
-        progress=lambda line: log(f"      {line}"))
+    figs = figures.make_all([runs_dir / mode for mode in MODES], out / "figures", **plan.figure_settings(),
+                            device=device, progress=lambda line: log(f"      {line}"))
     stage(stages, "writing the report")
     timings.append(("done", time.perf_counter()))
     report = out / "report.md"
@@ -247,14 +250,13 @@ def _run(out: Path, plan: Plan, *, data_dir, download: bool, offline: bool, devi
 
 def regenerate_command(plan: Plan, runs: Sequence[str], out: str = "figures") -> str:
     """The `freqact figures` command that redraws the demo's figures with the demo's own settings
-    (W/N and image counts as `run` passes them to `figures.make_all`; the tables are reused).
+    (`plan.figure_settings()`, as `run` passes them to `figures.make_all`; the tables are reused).
 
     >>> regenerate_command(QUICK_PLAN, ["runs/normal"])
     'freqact figures runs/normal --out figures --ratio 0.1 --lambda-images 8 --theorem-images 8 --pooling-images 4'
     """
-    return (f"freqact figures {' '.join(runs)} --out {out} --ratio {plan.ratio} "
-            f"--lambda-images {plan.lambda_images} --theorem-images {plan.theorem_images} "
-            f"--pooling-images {plan.pooling_images}")
+    options = (f"--{key.replace('_', '-')} {value}" for key, value in plan.figure_settings().items())
+    return f"freqact figures {' '.join(runs)} --out {out} {' '.join(options)}"
 
 
 def _has_cifar10(root: Path) -> bool:

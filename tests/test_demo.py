@@ -1,6 +1,7 @@
 """freqact.demo: data choice (never touching the network), the end-to-end run and its report."""
 from __future__ import annotations
 
+import inspect
 import re
 import threading
 import time
@@ -174,13 +175,33 @@ def test_a_second_demo_into_one_folder_is_refused(tmp_path):
         thread.join()
 
 
-@pytest.mark.parametrize("plan", [demo.PLAN, demo.QUICK_PLAN])
-def test_the_report_regenerate_line_reproduces_the_demo_settings(plan):
-    runs = [f"runs/{mode}" for mode in demo.MODES]
-    words = demo.regenerate_command(plan, runs).split()
+@pytest.mark.parametrize("quick", [False, True])
+def test_the_report_regenerate_line_redraws_with_the_settings_the_demo_drew_with(monkeypatch, tmp_path, quick):
+    """Parsed by the real `freqact figures` parser, the command gives `make_all` exactly what the
+    demo passed it, and make_all's defaults for the rest (where it ran and its log aside)."""
+    class Drawn(Exception):
+        pass
+
+    drawn = {}
+    defaults = {name: p.default for name, p in inspect.signature(figures.make_all).parameters.items()}
+
+    def make_all(run_dirs, out, **settings):
+        drawn.update(run_dirs=[str(r) for r in run_dirs], out=str(out), **settings)
+        raise Drawn
+
+    monkeypatch.setattr(demo.train, "train", lambda config: None)
+    monkeypatch.setattr(demo.figures, "make_all", make_all)
+    with pytest.raises(Drawn):
+        demo.run(tmp_path, data_dir=tmp_path / "no-data", quick=quick, offline=True, device="cpu",
+                 log=lambda line: None)
+    plan = demo.QUICK_PLAN if quick else demo.PLAN
+    words = demo.regenerate_command(plan, drawn.pop("run_dirs"), drawn.pop("out")).split()
     assert words[:2] == ["freqact", "figures"]
-    args = cli.build_parser(["figures"]).parse_args(words[1:])
-    assert args.runs == runs and args.out == "figures" and args.ratio == plan.ratio
-    assert (args.lambda_images, args.theorem_images, args.pooling_images) == (
-        plan.lambda_images, plan.theorem_images, plan.pooling_images)
-    assert args.window_rule == "nearest" and args.layers == "blocks"  # make_all's defaults, as the demo
+    args = vars(cli.build_parser(["figures"]).parse_args(words[1:]))
+    assert args.pop("runs") == [str(tmp_path / "runs" / mode) for mode in demo.MODES]
+    assert args.pop("out") == str(tmp_path / "figures")
+    for name in ("command", "handler", "device"):  # the device: where the demo ran, not what it drew
+        args.pop(name)
+    del drawn["device"], drawn["progress"]
+    parsed = {{"window_rule": "rule"}.get(dest, dest): value for dest, value in args.items()}
+    assert parsed == {**{name: defaults[name] for name in parsed}, **drawn}
