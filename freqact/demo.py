@@ -206,46 +206,39 @@ def run(
     device = str(distributed.pick_device(device))
     out = Path(out)
     with rundir.output_lock(out):  # one demo per folder
-        return _run(out, plan, data_dir=data_dir, download=download, offline=offline, device=device,
-                    check_online=check_online, fetch=fetch, log=log)
+        runs_dir = out / "runs"
+        if runs_dir.exists() and any(runs_dir.iterdir()):
+            raise ValueError(f"out: {out} already holds a demo ({runs_dir}); remove it or choose another --out")
+        stages = 3 + len(MODES)
+        timings: list[tuple[str, float]] = []
+        started = time.perf_counter()
 
+        def stage(i: int, text: str) -> None:
+            timings.append((text, time.perf_counter()))
+            log(f"[{i}/{stages}] {text} ...")
 
-def _run(out: Path, plan: Plan, *, data_dir, download: bool, offline: bool, device: str,
-         check_online: Callable[[], bool], fetch: Callable[..., object], log: Callable[[str], None]) -> Path:
-    """`run`'s stages, under the folder's lock."""
-    runs_dir = out / "runs"
-    if runs_dir.exists() and any(runs_dir.iterdir()):
-        raise ValueError(f"out: {out} already holds a demo ({runs_dir}); remove it or choose another --out")
-    stages = 3 + len(MODES)
-    timings: list[tuple[str, float]] = []
-    started = time.perf_counter()
-
-    def stage(i: int, text: str) -> None:
-        timings.append((text, time.perf_counter()))
-        log(f"[{i}/{stages}] {text} ...")
-
-    stage(1, "choosing data")
-    choice = choose_data(data_dir, download=download,
-                         check_online=(lambda: False) if offline else check_online, fetch=fetch)
-    log(choice.note)
-    results = {}
-    for i, mode in enumerate(MODES, start=2):
-        stage(i, f"training {mode}")
-        config = train.RunConfig(
-            model=plan.model, dataset=choice.dataset, mode=mode, ratio=plan.ratio, block=plan.block,
-            bits=plan.bits, epochs=plan.epochs, batch_size=plan.batch_size, lr=plan.lr,
-            subset=plan.subset, seed=plan.seed, device=device, data_dir=choice.data_dir,
-            out=str(runs_dir / mode), save_epochs=list(range(1, plan.epochs + 1)))
-        results[mode] = train.train(config)
-    stage(stages - 1, "analysing the runs and drawing the figures")
-    figs = figures.make_all([runs_dir / mode for mode in MODES], out / "figures", **plan.figure_settings(),
-                            device=device, progress=lambda line: log(f"      {line}"))
-    stage(stages, "writing the report")
-    timings.append(("done", time.perf_counter()))
-    report = out / "report.md"
-    checkpoint.atomic_write(report, _report(plan, choice, results, figs, out, timings, started).encode())
-    log(f"wrote {report} ({time.perf_counter() - started:.0f} s in all)")
-    return report
+        stage(1, "choosing data")
+        choice = choose_data(data_dir, download=download,
+                             check_online=(lambda: False) if offline else check_online, fetch=fetch)
+        log(choice.note)
+        results = {}
+        for i, mode in enumerate(MODES, start=2):
+            stage(i, f"training {mode}")
+            config = train.RunConfig(
+                model=plan.model, dataset=choice.dataset, mode=mode, ratio=plan.ratio, block=plan.block,
+                bits=plan.bits, epochs=plan.epochs, batch_size=plan.batch_size, lr=plan.lr,
+                subset=plan.subset, seed=plan.seed, device=device, data_dir=choice.data_dir,
+                out=str(runs_dir / mode), save_epochs=list(range(1, plan.epochs + 1)))
+            results[mode] = train.train(config)
+        stage(stages - 1, "analysing the runs and drawing the figures")
+        figs = figures.make_all([runs_dir / mode for mode in MODES], out / "figures", **plan.figure_settings(),
+                                device=device, progress=lambda line: log(f"      {line}"))
+        stage(stages, "writing the report")
+        timings.append(("done", time.perf_counter()))
+        report = out / "report.md"
+        checkpoint.atomic_write(report, _report(plan, choice, results, figs, out, timings, started).encode())
+        log(f"wrote {report} ({time.perf_counter() - started:.0f} s in all)")
+        return report
 
 
 def regenerate_command(plan: Plan, runs: Sequence[str], out: str = "figures") -> str:
