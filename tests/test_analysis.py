@@ -629,10 +629,23 @@ def test_swin_block_outputs_are_read_as_spatial_maps_over_h_and_w():
     assert {maps[name] for name in raw} <= {f"{s}x{s}" for s in (16, 8, 4, 2, 1)}
 
 
+_TOKENS_REFUSED = r"layers: the (output|input) of '.*' \((TransformerBlock|DecoderBlock|Linear)\) holds tokens"
+
+
 @pytest.mark.parametrize("name,layers", [("vit", "blocks"), ("gpt", "blocks"), ("vit", "convs")])
 def test_token_sequences_are_refused_naming_the_layer(name, layers):
     net = models.get(name, num_classes=256 if name == "gpt" else 10)
     x = (torch.randint(0, 256, (2, 16)) if name == "gpt" else torch.randn(2, 3, 32, 32))
-    refusal = r"layers: the (output|input) of '.*' \((TransformerBlock|DecoderBlock|Linear)\) holds tokens"
-    with pytest.raises(ValueError, match=refusal):
+    with pytest.raises(ValueError, match=_TOKENS_REFUSED):
         common.capture(net, x, common.select_layers(net, layers))
+
+
+@pytest.mark.parametrize("name,layers", [("vit", "blocks"), ("gpt", "blocks"), ("gpt", "all")])
+def test_token_blocks_are_refused_when_selected_before_any_forward(name, layers):
+    net = models.get(name, num_classes=256 if name == "gpt" else 10)
+    x = (torch.randint(0, 256, (2, 16)) if name == "gpt" else torch.randn(2, 3, 32, 32))
+    forwards = []
+    net.register_forward_pre_hook(lambda module, args: forwards.append(module))
+    with pytest.raises(ValueError, match=_TOKENS_REFUSED):
+        common.capture(net, x, common.select_layers(net, layers))
+    assert forwards == []

@@ -44,35 +44,51 @@ def map_dims(x: torch.Tensor) -> int:
 MAP_LAYOUTS = ("channels_first", "channels_last", "tokens")
 
 
-def as_maps(name: str, module: nn.Module, which: str, h: torch.Tensor) -> torch.Tensor:
-    """A captured tensor laid out as the analyses read maps: channels-first, (N, C, *spatial)
-    ((N, F) for a flat one), whose trailing `map_dims` dims are the spatial ones.
+def _map_layout(name: str, module: nn.Module, which: str, rank: int | None = None) -> str | None:
+    """How a selected layer's map is laid out, one of `MAP_LAYOUTS`, tokens refused.
 
-    The layout is the block's declared `map_layout` (`freqact.models`; default channels-first); a
-    Linear's input has its features last: (N, F) as is, (N, *spatial, F) channels-last, and
-    (N, T, F) tokens.
+    A Linear's input by its rank: (N, F) channels-first, (N, T, F) tokens, (N, *spatial, F)
+    channels-last (None while the rank is not known, before the forward); any other map by its
+    module's declared `map_layout` (`freqact.models`; default channels-first).
 
     Args:
         name, module, which: the layer as `select_layers` gives it ("output" or "input").
-        h: the captured tensor.
-
-    Returns:
-        `h`, or a channels-last `h` as the view `h.movedim(-1, 1)`.
+        rank: the captured tensor's number of dims; None before the forward.
 
     Raises:
-        ValueError: for tokens (N, T, F) (ViT, GPT): a sequence has no spatial map, and a DCT over
-            its features or over the token order would not be one; refused, naming the layer.
+        ValueError: for an unknown `map_layout`, and for tokens (ViT, GPT): a sequence has no
+            spatial map, and a DCT over its features or over the token order would not be one;
+            refused, naming the layer.
     """
     if which == "input" and isinstance(module, nn.Linear):
-        layout = "channels_first" if h.dim() == 2 else "tokens" if h.dim() == 3 else "channels_last"
+        if rank is None:
+            return None
+        layout = "channels_first" if rank == 2 else "tokens" if rank == 3 else "channels_last"
     else:
         layout = getattr(module, "map_layout", "channels_first")
     _validate.choice(f"{type(module).__name__}.map_layout", layout, MAP_LAYOUTS)
     if layout == "tokens":
-        raise ValueError(f"layers: the {which} of {name!r} ({type(module).__name__}) holds tokens "
-                         f"(N, T, F) = {tuple(h.shape)}, which have no spatial map for λ or pooling; "
-                         "the analyses read image-like maps (N, C, *spatial)")
-    return h.movedim(-1, 1) if layout == "channels_last" else h
+        raise ValueError(f"layers: the {which} of {name!r} ({type(module).__name__}) holds tokens (N, T, F), "
+                         "which have no spatial map for λ or pooling; the analyses read image-like maps "
+                         "(N, C, *spatial)")
+    return layout
+
+
+def to_channels_first(name: str, module: nn.Module, which: str, h: torch.Tensor) -> torch.Tensor:
+    """A captured tensor laid out as the analyses read maps: channels-first, (N, C, *spatial)
+    ((N, F) for a flat one), whose trailing `map_dims` dims are the spatial ones.
+
+    Args:
+        name, module, which: the layer as `select_layers` gives it ("output" or "input").
+        h: the captured tensor, laid out as `_map_layout` says.
+
+    Returns:
+        `h`, or a channels-last `h` (N, *spatial, C) as the view `h.movedim(-1, 1)`.
+
+    Raises:
+        ValueError: for tokens (N, T, F), naming the layer (`_map_layout`).
+    """
+    return h.movedim(-1, 1) if _map_layout(name, module, which, h.dim()) == "channels_last" else h
 
 
 def select_layers(model: nn.Module, layers: str = "blocks") -> list[tuple[str, nn.Module, str]]:
@@ -88,7 +104,9 @@ def select_layers(model: nn.Module, layers: str = "blocks") -> list[tuple[str, n
         [(name, module, "output" | "input")], one entry per selected module.
 
     Raises:
-        ValueError: if `layers` is unknown or the model has no module of the chosen kind.
+        ValueError: if `layers` is unknown, the model has no module of the chosen kind, or a selected
+            block outputs tokens (ViT, GPT; `_map_layout`), before anything runs. A Linear reading
+            tokens is known by its input's rank only: `capture` refuses it.
     """
     _validate.choice("layers", layers, LAYER_SETS)
     picked = []
@@ -101,6 +119,8 @@ def select_layers(model: nn.Module, layers: str = "blocks") -> list[tuple[str, n
         hint = (" (residual/dense/transformer blocks, freqact.models.BLOCK_TYPES); choose "
                 "layers='convs' (--layers convs) to read its conv/linear inputs") if layers == "blocks" else ""
         raise ValueError(f"layers: the model {type(model).__name__} has no {layers!r} layers{hint}")
+    for name, module, which in picked:
+        _map_layout(name, module, which)
     return picked
 
 
@@ -135,12 +155,12 @@ def capture(
         picked: from `select_layers`.
 
     Returns:
-        [(layer name, detached tensor laid out channels-first by `as_maps`)] in call order; a
-        module called k > 1 times in one forward pass gives entries `name`, `name@1`, ...,
+        [(layer name, detached tensor laid out channels-first by `to_channels_first`)] in call
+        order; a module called k > 1 times in one forward pass gives entries `name`, `name@1`, ...,
         `name@{k-1}`.
 
     Raises:
-        ValueError: for a selected map of tokens (`as_maps`).
+        ValueError: for a selected map of tokens (`to_channels_first`).
     """
     captured: list[tuple[str, torch.Tensor]] = []
     calls: dict[str, int] = {}
@@ -150,7 +170,8 @@ def capture(
             count = calls.get(name, 0)
             calls[name] = count + 1
             tensor = output if which == "output" else inputs[0]
-            captured.append((name if count == 0 else f"{name}@{count}", as_maps(name, module, which, tensor.detach())))
+            maps = to_channels_first(name, module, which, tensor.detach())
+            captured.append((name if count == 0 else f"{name}@{count}", maps))
 
         return hook
 

@@ -11,7 +11,8 @@ token ids (N, T) and whose `num_classes` is the vocabulary size, logits (N, T, V
 dense and transformer blocks are modules of the classes in `BLOCK_TYPES`, so an analysis finds the
 "block outputs" (the paper's Fig. 4) with `isinstance(m, BLOCK_TYPES)`; a block whose output is not
 channels-first (N, C, *spatial) says so in a class attribute `map_layout`: "channels_last" (Swin's
-(N, H, W, C) grids) or "tokens" ((N, T, F) sequences: ViT, GPT), read by `analysis.common.as_maps`.
+(N, H, W, C) grids) or "tokens" ((N, T, F) sequences: ViT, GPT), read by
+`analysis.common.to_channels_first` (tokens refused by `analysis.common.select_layers`).
 
 Models know nothing about compression. Activations are `nn` modules (`nn.ReLU`, `nn.ReLU6`, `nn.GELU`,
 `nn.SiLU`, `nn.Hardswish`, `nn.Hardsigmoid`; never `F.relu`) and none is in place, so the engine's

@@ -110,7 +110,7 @@ class DecoderBlock(nn.Module):
     Maps tokens (N, T, dim) to (N, T, dim).
     """
 
-    # How analyses read the output (freqact.analysis.common.as_maps): tokens, no spatial map.
+    # How analyses read the output (freqact.analysis.common.to_channels_first): tokens, no spatial map.
     map_layout = "tokens"
 
     def __init__(self, dim: int, heads: int, context: int, hidden: int,

@@ -89,7 +89,7 @@ class SwinBlock(nn.Module):
     the same shape; `shift` > 0 rolls the grid by -shift before windowing (and back after).
     """
 
-    # How analyses read the output (freqact.analysis.common.as_maps): a channels-last grid.
+    # How analyses read the output (freqact.analysis.common.to_channels_first): a channels-last grid.
     map_layout = "channels_last"
 
     def __init__(self, dim: int, heads: int, size: int, window: int, shift: int,

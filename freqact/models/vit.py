@@ -49,7 +49,7 @@ class TransformerBlock(nn.Module):
     after each Linear when dropout > 0. Maps tokens (N, T, dim) to (N, T, dim).
     """
 
-    # How analyses read the output (freqact.analysis.common.as_maps): tokens, no spatial map.
+    # How analyses read the output (freqact.analysis.common.to_channels_first): tokens, no spatial map.
     map_layout = "tokens"
 
     def __init__(self, dim: int, heads: int, mlp_ratio: int = 4, dropout: float = 0.0) -> None:
