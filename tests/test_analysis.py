@@ -565,6 +565,13 @@ def test_analyses_refuse_runs_of_different_models_or_datasets_in_one_table(tiny_
     assert not (tmp_path / "o" / f"{command}.csv").exists()
 
 
+def test_each_checkpoint_after_the_first_is_compared_with_the_first_once(tiny_run, monkeypatch):
+    compared = []
+    monkeypatch.setattr(common, "check_one_model", lambda first, other: compared.append((first[0], other[0])))
+    paths = [path for path, _, _ in common.load_checkpoints([tiny_run])]
+    assert len(paths) == 2 and compared == [(paths[0], paths[1])]
+
+
 def test_rows_name_their_run_so_two_runs_stay_apart(tiny_run, tmp_path):
     twin = tmp_path / "twin"
     for path in common.resolve_checkpoints([tiny_run]):

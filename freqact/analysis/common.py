@@ -267,7 +267,8 @@ def load_checkpoints(paths: Sequence[str | os.PathLike], device: str | torch.dev
         model, ckpt = load_checkpoint(path, device)
         if first is None:
             first = (path, ckpt["config"])
-        check_one_model(first, (path, ckpt["config"]))
+        else:
+            check_one_model(first, (path, ckpt["config"]))
         yield path, model, ckpt
 
 
