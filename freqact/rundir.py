@@ -33,6 +33,7 @@ import csv
 import io
 import json
 import os
+import stat
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -338,11 +339,14 @@ def check_folder(path: str | os.PathLike, argument: str = "out") -> Path:
     """
     path = Path(path)
     for place in (path, *path.parents):
-        if place.exists() and not place.is_dir():
+        try:
+            mode = place.stat().st_mode
+        except OSError:  # not there (or not reachable): mkdir makes it, or says why not
+            continue
+        if not stat.S_ISDIR(mode):
             raise ValueError(f"{argument}: expected a folder, got {path}"
                              + (" (a file)" if place == path else f" ({place} is a file)"))
-        if place.is_dir():
-            break
+        break
     return path
 
 

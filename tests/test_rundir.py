@@ -229,3 +229,16 @@ def test_out_at_a_file_is_refused_naming_the_argument(tmp_path, capsys, command)
         assert cli.main([*command, "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"out: expected a folder, got {out}" in err and "Errno" not in err
+
+
+def test_check_folder_stats_each_level_once_up_to_the_first_folder(tmp_path, monkeypatch):
+    stats, real_stat = [], os.stat
+
+    def counted(path, *args, **kwargs):
+        stats.append(os.fspath(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", counted)
+    out = tmp_path / "a" / "b"
+    assert rundir.check_folder(out) == out
+    assert stats == [str(out), str(out.parent), str(tmp_path)]
