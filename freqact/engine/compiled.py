@@ -47,6 +47,7 @@ THRESHOLD = 4096
 """Saved tensors with fewer elements are kept as they are inside graphs (their bytes are few)."""
 
 _EXACT = Exact()
+_TRANSPOSED = "t"  # the first item of a transposed packed form: ("t", the packed transpose)
 
 
 def is_compiled(model: nn.Module) -> bool:
@@ -135,8 +136,9 @@ def _graph_pack(t: torch.Tensor, name: str, block: int, bits: int, backend: str,
         Traced: t itself when kept (AOTAutograd then leaves the saved tensor alone),
         (lfc, lo, step, codes, shape, dtype) for division, (lfc, lo, step, codes, view, dtype,
         layout, shape) for a token layout (either plus a 1-bit `> 0` mask for a ReLU output; a
-        norm's layout then its tokens' mean and std, `engine.moments`), (bits, shape) for a
-        boolean mask. Eager: `Exact`'s packed form.
+        norm's layout then its tokens' mean and std, `engine.moments`), ("t", that form of
+        t.t()) for a (F, N * T) transposed token tensor, (bits, shape) for a boolean mask.
+        Eager: `Exact`'s packed form.
     """
     spec = GraphCodec(name, block, bits, backend, threshold)
     if not _is_fake(t):
@@ -158,12 +160,20 @@ def _graph_pack(t: torch.Tensor, name: str, block: int, bits: int, backend: str,
 def _traced_pack(spec: GraphCodec, t: torch.Tensor, context: dict | None):
     """(packed form, route name) of a traced saved tensor (see `_graph_pack`)."""
     chosen = graph_rules.route(spec, t, context)
+    if chosen.transposed:  # (F, N * T): the (N * T, F) tensor it transposes, marked
+        packed, name = _coded(spec, t.t(), chosen)
+        return (_TRANSPOSED, packed), name
     if chosen.name == "mask":
         return (pack_bits(t), tuple(t.shape)), "mask"
     if chosen.name == "kept":
         return t, "kept"
     if chosen.name == "kept copy":  # a view's own elements, so that its base can be freed
         return t.clone(memory_format=torch.contiguous_format), "kept"
+    return _coded(spec, t, chosen)
+
+
+def _coded(spec: GraphCodec, t: torch.Tensor, chosen: graph_rules.GraphRoute):
+    """(packed form, route name) of t under a coded route (division or a token layout)."""
     # A tensor seed, drawn in the graph: each step encodes with fresh noise.
     seed = torch.randint(2**62, (), dtype=torch.int64)
     # ReLU's backward reads the sign of what it saved: kept exact as 1 bit (the eager routes'
@@ -239,6 +249,8 @@ def _graph_unpack(packed, name: str, block: int, bits: int, backend: str, thresh
         return packed
     if isinstance(packed, ExactPacked):  # saved where the model runs eagerly
         return _EXACT.decode(packed)
+    if isinstance(packed[0], str):  # ("t", form): a (F, N * T) transpose, decoded as (N * T, F)
+        return _graph_unpack(packed[1], name, block, bits, backend, threshold).t()
     if len(packed) == 2:  # a boolean mask
         return unpack_bits(*packed)
     if len(packed) >= 8:  # a token view in a layout (with a ReLU output's mask, a norm's moments)

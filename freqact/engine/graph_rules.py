@@ -21,6 +21,9 @@ give each saved tensor the eager routes' layout where it can tell (docs/ARCHITEC
   and the GELU input so, as `addmm`/`mm` operands): `tile/tok` for a LayerNorm's input or
   normalised output (min/step per token), else `tile/chan` (Linear and activation inputs);
   the token shape of a rank-2 tensor is read from the view it was made from or is read as;
+  a (F, N * T) transpose of such a view (GPT-2's `Conv1D`, `addmm(b, x, w)` with an (in, out)
+  weight, saves its input so for the weight's gradient) is held as the (N * T, F)
+  tensor it transposes, in the same layout, and transposed back when decoded;
   rank-2 tensors without one (BatchNorm1d inputs, a classifier's (N, F) input) are kept;
 - rank 4 and 5 maps, and a Conv1d's rank-3 input or output: `division` as saved (the map
   rule);
@@ -33,7 +36,7 @@ give each saved tensor the eager routes' layout where it can tell (docs/ARCHITEC
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -63,11 +66,14 @@ class GraphRoute:
             1-bit `> 0` mask), "division <layout>" or "relu-mask <layout>".
         layout: a `graph_ops.LAYOUTS` name, "" for the map rule.
         view: the (M, T, F) token view the layout reads (None for the map rule).
+        transposed: the saved tensor is the (F, N * T) transpose of the tensor `view` reads
+            (the layout then codes `t.t()`, and the decode is transposed back).
     """
 
     name: str
     layout: str = ""
     view: tuple[int, ...] | None = None
+    transposed: bool = False
 
     @property
     def positive(self) -> bool:
@@ -128,6 +134,10 @@ def _chosen(t: torch.Tensor, node, context) -> GraphRoute:
     relu = getattr(node, "target", None) is torch.ops.aten.relu.default
     if t.dim() in (4, 5) or (t.dim() == 3 and _convolution_map(node)):
         return GraphRoute("relu-mask" if relu else "division")
+    if t.dim() == 2 and _transpose_of(node) is not None:
+        # (F, N * T): a Linear-like input saved transposed; routed as the tensor it transposes
+        chosen = _chosen(t.t(), _transpose_of(node), context)
+        return replace(chosen, transposed=True) if chosen.layout else _kept(t)
     if t.dim() in (2, 3):
         if t.shape[-1] == 1:  # per-token statistics (LayerNorm's mean, rstd): kept exact
             return _kept(t)
@@ -199,6 +209,23 @@ def _token_shape(t: torch.Tensor, node) -> tuple[int, ...] | None:
                 and value.shape[-1] == t.shape[-1]):
             return tuple(value.shape)
     return None
+
+
+_TRANSPOSES = frozenset({torch.ops.aten.permute.default, torch.ops.aten.t.default,
+                         torch.ops.aten.transpose.int})
+
+
+def _transpose_of(node):
+    """The rank-2 node that node transposes (a `permute` by (1, 0), `t`, `transpose`), or None."""
+    if node is None or node.target not in _TRANSPOSES or not node.args:
+        return None
+    source = node.args[0]
+    value = _val(source)
+    if value is None or value.dim() != 2:
+        return None
+    if node.target is torch.ops.aten.permute.default and list(node.args[1]) != [1, 0]:
+        return None
+    return source
 
 
 def _convolution_map(node) -> bool:
