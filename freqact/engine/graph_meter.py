@@ -5,10 +5,13 @@ AOTAutograd inlines the pack hook (`plan`: per saved node, the module that made 
 node's `nn_module_stack`, the route, the packed form's bytes and the plain tensor's bytes, all from
 the fake tensors' shapes) and charged each time the graph runs: after each forward of the compiled
 model inside the block (`Charger`), its output's autograd graph is searched for compiled-graph
-nodes, and each node's plan is charged once. Graph inputs (parameters, the batch) are not in the
-plans (the hooks never see them, and they are not activation memory). A tensor saved where the
-model runs eagerly (past a graph break) is kept; it is charged to the model's row as it is saved
-(`charge_eager`), each storage once, parameters and what derives from them not at all.
+nodes, and each node's plan is charged once. Graph inputs are not in the plans (the hooks never
+see them): parameters and the batch are not activation memory, but a graph's inputs with
+autograd history (a tensor crossing a graph break) and its outputs that it saves are held as
+they are, so each is charged, kept, to the model's row (`Charger._graph_inputs`, read from the
+graph node's saved tensors after the forward). A tensor saved where the model runs eagerly (past
+a graph break) is kept; it is charged to the model's row as it is saved (`charge_eager`). Each
+storage is charged once, parameters and what derives from them not at all.
 """
 from __future__ import annotations
 
@@ -84,10 +87,11 @@ def plan(context: dict | None, t: torch.Tensor, packed, route: str) -> None:
 
 
 def _plan_of(node) -> dict | None:
-    """The plan of the compiled graph whose autograd node this is (None for other nodes)."""
+    """The plan of the compiled graph whose autograd node this is ({} for a graph without one,
+    None for other nodes)."""
     info = getattr(getattr(node, "_forward_cls", None), "_lazy_backward_info", None)
     module = getattr(info, "bw_module", None)
-    return _PLANS.get(module.graph) if module is not None else None
+    return _PLANS.get(module.graph, {}) if module is not None else None
 
 
 class Charger:
@@ -127,6 +131,20 @@ class Charger:
                 layer, type_name = (row.layer, row.type) if row.type else ("", self.model_type)
                 self.meter._record(layer, type_name, row.route)
                 self.meter._charge(layer, type_name, row.route, row.saved_bytes, row.exact_bytes)
+            self._graph_inputs(node)
+
+    def _graph_inputs(self, node) -> None:
+        """Charge, kept, the activations compiled graph node saves that no plan holds: its
+        inputs with autograd history (a tensor crossing a graph break, made by an earlier graph
+        or by code running eagerly) and its own outputs. No hook sees them, and they are held as
+        they are; parameters, their copies and the input batch (no history) are not charged."""
+        try:
+            saved = node.saved_tensors
+        except RuntimeError:  # already freed by a backward
+            return
+        for t in saved:
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                self.eager(t)
 
     def eager(self, t: torch.Tensor) -> None:
         """Charge t, saved where the model runs eagerly and kept, to the model's row (its
