@@ -43,6 +43,16 @@ def _grads(model: nn.Module, x: torch.Tensor, block=None) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied before and after the test: every compiled module shares one frame
+    (torch 2.13's `external_utils.inner`) and so dynamo's recompile limit (8 cache entries, plain
+    and compressed graphs alike), past which a later test's model would run eagerly."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 # --- the custom ops ------------------------------------------------------------------------------
 
 
@@ -584,7 +594,7 @@ class _Conv1D(nn.Module):
         return out.view(*x.shape[:-1], -1)
 
 
-def test_compiled_division_codes_linear_inputs_saved_transposed():
+def test_compiled_division_codes_linear_inputs_saved_transposed(fresh_dynamo):
     # addmm(b, x, w) saves x.t() (F, N * T) for the weight's gradient: it was kept exact (GPT-2
     # compiled: 2.1x vs eager's 10.6x); coded in tile/chan as the (N * T, F) tensor it transposes
     torch.manual_seed(0)
@@ -655,7 +665,7 @@ def _held_bytes(out: torch.Tensor, model: nn.Module, batch: torch.Tensor) -> int
     return sum(storages.values())
 
 
-def test_compiled_meter_charges_activations_crossing_a_graph_break():
+def test_compiled_meter_charges_activations_crossing_a_graph_break(fresh_dynamo):
     # y, an output of the first graph and an input of the second, is held as it is by the
     # second graph for its conv's backward (and by the first for ReLU's): no hook sees it, and
     # the meter left it out (2,048 B metered of 34,816 held)
@@ -727,6 +737,22 @@ def test_compiled_division_new_sizes_recompile_dynamic_graphs_are_refused():
     with pytest.raises(Exception, match="compress: a compiled graph with dynamic shapes"):
         with freqact.compress(dynamic, "division"):
             dynamic(torch.randn(4, 65, 32))
+
+
+def test_compiled_division_a_batch_from_a_dynamic_plain_step_compiles_static(fresh_dynamo):
+    # a second size made the plain graph dynamic (automatic dynamic shapes), and AOTAutograd
+    # stamped the batch it saved with `_dynamo_propagated_dynamic_indices`; dynamo read that as
+    # dynamic inside the block too, and the same batch was refused as "dynamic=True"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32))
+    compiled = torch.compile(model)
+    compiled(torch.randn(8, 65, 32)).sum().backward()
+    x = torch.randn(6, 65, 32)
+    compiled(x).sum().backward()
+    with freqact.compress(compiled, "division") as meter:
+        out = compiled(x)
+    out.sum().backward()
+    assert 0 < meter.saved_bytes < meter.exact_bytes
 
 
 def test_compiled_division_retained_graph_and_dropped_forwards(monkeypatch):

@@ -320,6 +320,8 @@ class _Compress:
             # the meter first: a failure there leaves no hooks behind (`_release` removes it)
             self._handles.append(graph_meter.attach(self.model, graph_meter.Charger(
                 self.meter, self.model, self._params)))
+            self._handles.append(self.model.register_forward_pre_hook(
+                compiled.static_inputs, with_kwargs=True))
             self._hooks = compiled.installed(self._graph)
             self._hooks.__enter__()
             return

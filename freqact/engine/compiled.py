@@ -32,13 +32,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from freqact.codecs.base import Codec, Exact, ExactPacked
 from freqact.engine import graph_meter, graph_ops, graph_rules
 from freqact.engine.moments import token_moments, with_moments
 
 __all__ = ["GRAPH_CODECS", "THRESHOLD", "GraphCodec", "graph_hooks", "installed", "is_compiled",
-           "spec_for"]
+           "spec_for", "static_inputs"]
 
 GRAPH_CODECS = ("exact", "division")
 """The codecs that can run inside a compiled graph (their encode/decode are custom ops)."""
@@ -89,6 +90,18 @@ def spec_for(model: nn.Module, codec: Codec, include, exclude) -> GraphCodec | N
                          "the saved tensors do not say which module saved them); compress the "
                          "uncompiled model to select modules")
     return GraphCodec.of(codec)
+
+
+def static_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """The block's forward pre-hook on the compiled model: forget the dynamic dims AOTAutograd
+    stamped on its input tensors (`_dynamo_propagated_dynamic_indices`, a hint that dynamo reads
+    as "weakly dynamic" whatever `automatic_dynamic_shapes` says, and does not guard on). A
+    batch that went through a plain compiled step of a dynamic graph (automatic dynamic shapes
+    after a second input size: AOTAutograd marks the saved inputs too) carried it into the
+    block, whose graph then had symbolic sizes and was refused as `dynamic=True`."""
+    for t in pytree.tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor) and hasattr(t, "_dynamo_propagated_dynamic_indices"):
+            del t._dynamo_propagated_dynamic_indices
 
 
 @dataclass(frozen=True)
