@@ -733,10 +733,13 @@ def test_compiled_division_new_sizes_recompile_dynamic_graphs_are_refused():
             out = compiled(torch.randn(n, 65, 32))
         out.sum().backward()
         assert isinstance(meter.saved_bytes, int) and 0 < meter.saved_bytes < meter.exact_bytes
-    dynamic = torch.compile(tokens, dynamic=True)
+    with pytest.raises(ValueError, match=r"^model: compiled with dynamic=True"):
+        freqact.compress(torch.compile(tokens, dynamic=True), "division")
+    x = torch.randn(4, 65, 32)
+    torch._dynamo.mark_dynamic(x, 0)  # seen only when the graph is traced
     with pytest.raises(Exception, match="compress: a compiled graph with dynamic shapes"):
-        with freqact.compress(dynamic, "division"):
-            dynamic(torch.randn(4, 65, 32))
+        with freqact.compress(compiled, "division"):
+            compiled(x)
 
 
 def test_compiled_division_a_batch_from_a_dynamic_plain_step_compiles_static(fresh_dynamo):

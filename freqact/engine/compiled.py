@@ -66,7 +66,7 @@ def spec_for(model: nn.Module, codec: Codec, include, exclude) -> GraphCodec | N
     Raises:
         ValueError: compiled modules inside an uncompiled model (the eager hooks would run outside
             their graphs and save nothing), a model compiled in place (`model.compile()`: its
-            graphs do not inline the hooks), include/exclude with a compiled model (a graph does
+            graphs do not inline the hooks), or with `dynamic=True`, include/exclude with a compiled model (a graph does
             not tell modules apart), or a codec that cannot run inside a graph.
     """
     if not is_compiled(model):
@@ -85,6 +85,11 @@ def spec_for(model: nn.Module, codec: Codec, include, exclude) -> GraphCodec | N
                          f"compress does not support (dynamo traces the saved-tensor hooks there "
                          f"as Python code, outside the graphs); compress torch.compile(model) "
                          f"of a model without in-place compiled modules instead")
+    if getattr(getattr(model, "dynamo_ctx", None), "_dynamic", None) is True:
+        # refused here in one line, not at the first forward inside BackendCompilerFailed
+        raise ValueError("model: compiled with dynamic=True, which compress does not support "
+                         "(the saved tensors' sizes are symbolic); compile with static shapes "
+                         "(torch.compile(model), the default: a new input size recompiles)")
     if include is not None or exclude is not None:
         raise ValueError("include/exclude: not supported for a compiled model (inside a graph "
                          "the saved tensors do not say which module saved them); compress the "
