@@ -66,8 +66,9 @@ def spec_for(model: nn.Module, codec: Codec, include, exclude) -> GraphCodec | N
     Raises:
         ValueError: compiled modules inside an uncompiled model (the eager hooks would run outside
             their graphs and save nothing), a model compiled in place (`model.compile()`: its
-            graphs do not inline the hooks), or with `dynamic=True`, include/exclude with a compiled model (a graph does
-            not tell modules apart), or a codec that cannot run inside a graph.
+            graphs do not inline the hooks) or with `dynamic=True` (symbolic sizes),
+            include/exclude with a compiled model (a graph does not tell modules apart), or a
+            codec that cannot run inside a graph.
     """
     if not is_compiled(model):
         inner = next((name for name, m in model.named_modules() if name and is_compiled(m)),
