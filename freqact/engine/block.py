@@ -5,6 +5,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -83,6 +84,29 @@ class _Packed:
         if self.uses > 1 and self.route.copies:
             self._decoded, self._pending = x, self.uses - 1
         return x
+
+
+class _Coded(NamedTuple):
+    """A coded form of a storage (`_Compress._coded`): where it came from and what it was charged.
+
+    Attributes:
+        storage, packed: weak references to the storage and the `_Packed` coding it.
+        size, stride, offset, dtype, version: the saved tensor's view of the storage, and its
+            version at the save.
+        site: the layer charged; label: the route charged; held, plain: the bytes charged.
+    """
+
+    storage: weakref.ref
+    packed: weakref.ref
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    version: int
+    site: Site
+    label: str
+    held: int
+    plain: int
 
 
 def _memory_format(t: torch.Tensor):
@@ -285,6 +309,8 @@ class _Compress:
         self._owner: dict[int, tuple] = {}
         # storage ptr -> (storage ref, ref of the latest packed form holding it as is)
         self._held: dict[int, tuple] = {}
+        # storage ptr -> the coded forms of it, as `_Coded` records, until a save keeps it as is
+        self._coded: dict[int, list[_Coded]] = {}
         # outputs rebuilt from their packed inputs: under the full `division` codec only
         self._recompute = Recomputer(_unpack) if type(self.codec) is Division else None
         try:
@@ -346,7 +372,7 @@ class _Compress:
         self._handles, self._stack, self._dedup = [], [], {}
         if self._recompute is not None:  # the tracker's on_return still refers to it
             self._recompute.clear()
-        self._owner, self._held, self._recompute = {}, {}, None
+        self._owner, self._held, self._coded, self._recompute = {}, {}, {}, None
         with _HOOKED_LOCK:
             self._unclaim_locked()
         _ACTIVE.on = False
@@ -415,6 +441,8 @@ class _Compress:
         key = (ptr, t.storage_offset(), *layout, t.dtype, t._version, id(route))
         hit = self._dedup.get(key)
         packed = hit[1]() if hit is not None and hit[0]() is storage else None
+        if packed is None and not route.copies:
+            self._uncode(ptr, storage, t)
         owner = self._charged_to(ptr, storage, site)
         if packed is not None:
             if packed.shape is not None and packed.shape != t.shape:
@@ -432,7 +460,34 @@ class _Compress:
         held = self._held_bytes(route, packed, ptr, storage)
         self.meter._charge(owner[1].name, owner[1].type_name, route.label, held, owner[2])
         self._owner[ptr] = (owner[0], owner[1], 0)  # plain bytes are charged once
+        if route.copies and recipe is None:
+            self._coded.setdefault(ptr, []).append(_Coded(
+                weakref.ref(storage), weakref.ref(packed), t.size(), t.stride(),
+                t.storage_offset(), t.dtype, t._version, owner[1], route.label, held, owner[2]))
         return packed
+
+    def _uncode(self, ptr: int, storage, t: torch.Tensor) -> None:
+        """A save keeps t's storage as it is: hold its earlier coded forms as they are too.
+
+        The storage is held whole anyway, so a coded copy beside it is bytes for nothing (a
+        tanh's output coded for its own backward, then kept by a plain `matmul` reading it): each
+        form that still describes the storage's values (same version, same dtype) becomes t's
+        view of its shape, strides and offset, held as is, and its charge is taken back (its
+        plain bytes are charged again with this save). The reverse order is `_packed_form`'s
+        `_held` rule."""
+        for coded in self._coded.pop(ptr, ()):
+            packed = coded.packed()
+            if (packed is None or coded.storage() is not storage or coded.version != t._version
+                    or coded.dtype != t.dtype):
+                continue
+            view = t.detach().as_strided(coded.size, coded.stride, coded.offset)
+            packed.route, packed.data = KEEP, KEEP.codec.encode(view)
+            packed.shape = packed.memory_format = None
+            self.meter._charge(coded.site.name, coded.site.type_name, coded.label, -coded.held,
+                               -coded.plain)
+            entry = self._owner.get(ptr)
+            if entry is not None and entry[0]() is storage:
+                self._owner[ptr] = (entry[0], entry[1], entry[2] + coded.plain)
 
     @staticmethod
     def _describe(t: torch.Tensor, x: torch.Tensor | None, func: tuple | None) -> Saved:
