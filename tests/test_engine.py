@@ -590,6 +590,77 @@ def test_a_coded_form_of_older_values_stays_coded():
     assert meter.by_route()["division tile/chan"]["saved_bytes"] > 0
 
 
+class _Probabilities(nn.Module):
+    def forward(self, q, k, v):
+        self.p = torch.softmax(q @ k.transpose(-1, -2), -1)  # coded in a token view
+        return self.p @ v  # matmul saves p's (N * heads, T, T) view: the same coded form
+
+
+class _Square(nn.Module):
+    def forward(self, x):
+        return x * x
+
+
+class _KeptAfter(nn.Module):
+    """`first`'s saves, then `keep` (left out of the block) saving one of them as it is."""
+
+    def __init__(self, first: nn.Module, kept: str):
+        super().__init__()
+        self.first, self.keep, self.kept = first, _Square(), kept
+
+    def forward(self, q, k, v):
+        out = self.first(q, k, v)
+        held = {"k": k, "p": getattr(self.first, "p", None)}[self.kept]
+        return out.sum() + self.keep(held).mean()
+
+
+def _qkv_grads(model, q, k, v, **kwargs):
+    for t in (q, k, v):
+        t.grad = None
+    if kwargs:
+        exclude = ["keep"] if hasattr(model, "keep") else None
+        with compress(model, "division", exclude=exclude) as meter:
+            out = model(q, k, v)
+    else:
+        out, meter = model(q, k, v), None
+    out.sum().backward()
+    return [t.grad.clone() for t in (q, k, v)], meter
+
+
+def test_every_view_of_a_coded_form_is_held_as_is_when_a_later_save_keeps_it():
+    # the softmax's (N, heads, T, T) form and matmul's (N * heads, T, T) view of it share the
+    # coded data: only the first was turned into a view, so the second still held the coded copy
+    # the meter no longer charged (13,824 B here) and v's gradient stayed lossy
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = [torch.randn(2, 3, 64, 16, generator=gen).requires_grad_() for _ in range(3)]
+    model = _KeptAfter(_Probabilities(), "p")
+    plain, _ = _qkv_grads(model, q, k, v)
+    got, meter = _qkv_grads(model, q, k, v, exclude=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, plain))
+    assert meter.saved_bytes == meter.exact_bytes
+
+
+def test_an_sdpa_input_a_later_save_keeps_stays_packed_with_its_call():
+    # SDPA's output and logsumexp are recomputed from the call's decoded q, k, v: k turned into
+    # the exact view beside the logsumexp of its decode gave gradient errors of 265-372x plain's
+    # norm here (the codec's own: 1.4-1.7)
+    class Attend(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = [(torch.randn(2, 3, 48, 16, generator=gen) * 3).requires_grad_() for _ in range(3)]
+    model = _KeptAfter(Attend(), "k")
+    plain, _ = _qkv_grads(model, q, k, v)
+    got, meter = _qkv_grads(model, q, k, v, exclude=True)
+    err = float(sum(((a - b) ** 2).sum() for a, b in zip(got, plain)).sqrt()
+                / sum((b ** 2).sum() for b in plain).sqrt())
+    assert err < 2
+    _, alone = _qkv_grads(model.first, q, k, v, exclude=True)
+    coded = [m.by_route()["division feat/chan"]["saved_bytes"] for m in (meter, alone)]
+    assert coded[0] == coded[1]  # q, k, v all charged: the call holds all three
+
+
 def test_a_functional_relu_is_routed_as_the_module():
     # F.relu / torch.relu save their output as nn.ReLU does: a 1-bit mask, and the next layer's
     # input coded (kept as is, it was held beside its coded copy)

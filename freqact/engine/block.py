@@ -16,6 +16,7 @@ from freqact.codecs import base as _codec_base
 from freqact.codecs.base import Codec
 from freqact.codecs.division import Division
 from freqact.engine import compiled, graph_meter
+from freqact.engine.attention import Recomputed, SdpaInput
 from freqact.engine.layouts import TokenLayout
 from freqact.engine.meter import Meter
 from freqact.engine.params import ParamIndex, is_fsdp_unit
@@ -31,6 +32,7 @@ from freqact.engine.routes import (
     kind_of,
     route_for,
 )
+from freqact.engine.sdpa_math import MathSave
 from freqact.engine.tracker import FunctionTracker
 
 __all__ = ["compress"]
@@ -42,6 +44,12 @@ _ACTIVE = threading.local()
 _HOOKED: dict[int, str] = {}  # id(module) -> thread name of the block hooking it
 _HOOKED_LOCK = threading.Lock()
 RECOMPUTED = Route("recomputed-activation", Recompute())  # an output rebuilt from its packed input
+# The codecs of one SDPA call's saves, packed as a unit: its output and logsumexp (or the math
+# path's saves) are recomputed from the call's own decoded q, k, v. One of them held as is
+# (`_Compress._uncode`) would mix an exact tensor with values recomputed from its decode (an
+# exact k beside the logsumexp of the decoded one: exponential errors), and the call would
+# still hold the coded form that the meter no longer charges.
+_UNIT_CODECS = (SdpaInput, Recomputed, MathSave)
 
 
 class _Packed:
@@ -444,10 +452,15 @@ class _Compress:
         if packed is None and not route.copies:
             self._uncode(ptr, storage, t)
         owner = self._charged_to(ptr, storage, site)
+        # a coded form a later save keeping the storage turns into a view (`_uncode`)
+        codable = route.copies and recipe is None and not isinstance(route.codec, _UNIT_CODECS)
         if packed is not None:
             if packed.shape is not None and packed.shape != t.shape:
                 # the same elements through another view of the storage: decode to t's shape
-                return _Packed(route, packed.data, shape=t.shape)
+                variant = _Packed(route, packed.data, shape=t.shape)
+                if codable:  # it holds the same coded data: held as is with the first, nothing
+                    self._add_coded(ptr, storage, variant, t, owner[1], route.label, 0, 0)
+                return variant
             packed.uses += 1
             return packed
         if recipe is not None:
@@ -460,11 +473,15 @@ class _Compress:
         held = self._held_bytes(route, packed, ptr, storage)
         self.meter._charge(owner[1].name, owner[1].type_name, route.label, held, owner[2])
         self._owner[ptr] = (owner[0], owner[1], 0)  # plain bytes are charged once
-        if route.copies and recipe is None:
-            self._coded.setdefault(ptr, []).append(_Coded(
-                weakref.ref(storage), weakref.ref(packed), t.size(), t.stride(),
-                t.storage_offset(), t.dtype, t._version, owner[1], route.label, held, owner[2]))
+        if codable:
+            self._add_coded(ptr, storage, packed, t, owner[1], route.label, held, owner[2])
         return packed
+
+    def _add_coded(self, ptr: int, storage, packed: _Packed, t: torch.Tensor, site: Site,
+                   label: str, held: int, plain: int) -> None:
+        self._coded.setdefault(ptr, []).append(_Coded(
+            weakref.ref(storage), weakref.ref(packed), t.size(), t.stride(), t.storage_offset(),
+            t.dtype, t._version, site, label, held, plain))
 
     def _uncode(self, ptr: int, storage, t: torch.Tensor) -> None:
         """A save keeps t's storage as it is: hold its earlier coded forms as they are too.
