@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import shlex
 import socket
 import statistics
 import threading
@@ -243,13 +244,15 @@ def run(
 
 def regenerate_command(plan: Plan, runs: Sequence[str], out: str = "figures") -> str:
     """The `freqact figures` command that redraws the demo's figures with the demo's own settings
-    (`plan.figure_settings()`, as `run` passes them to `figures.make_all`; the tables are reused).
+    (`plan.figure_settings()`, as `run` passes them to `figures.make_all`; the tables are reused),
+    quoted for a POSIX shell (a path with spaces stays one argument).
 
     >>> regenerate_command(QUICK_PLAN, ["runs/normal"])
     'freqact figures runs/normal --out figures --ratio 0.1 --lambda-images 8 --theorem-images 8 --pooling-images 4'
     """
-    options = (f"--{key.replace('_', '-')} {value}" for key, value in plan.figure_settings().items())
-    return f"freqact figures {' '.join(runs)} --out {out} {' '.join(options)}"
+    options = [word for key, value in plan.figure_settings().items()
+               for word in (f"--{key.replace('_', '-')}", str(value))]
+    return shlex.join(["freqact", "figures", *map(str, runs), "--out", str(out), *options])
 
 
 def _has_cifar10(root: Path) -> bool:

@@ -360,17 +360,17 @@ def require_keys(where: str | os.PathLike, mapping: dict, keys: Sequence[str]) -
         keys: the keys the caller reads.
 
     Raises:
-        ValueError: one line naming `where` and the first missing key.
+        ValueError: one line naming `where` and every missing key.
 
-    >>> require_keys("run/config.json", {"mode": "normal"}, ["mode", "dataset"])
+    >>> require_keys("config.json", {"mode": "normal", "seed": None}, ["mode", "dataset", "seed"])
     Traceback (most recent call last):
     ...
-    ValueError: run/config.json: lacks 'dataset', which freqact train writes (not a freqact run's file, or damaged)
+    ValueError: config.json: lacks 'dataset', 'seed', which freqact train writes (not a freqact run's file, or damaged)
     """
     missing = [key for key in keys if mapping.get(key) is None]
     if missing:
-        raise ValueError(f"{where}: lacks {missing[0]!r}, which freqact train writes "
-                         "(not a freqact run's file, or damaged)")
+        raise ValueError(f"{where}: lacks {', '.join(map(repr, missing))}, which freqact train "
+                         "writes (not a freqact run's file, or damaged)")
 
 
 def check_resumable(saved: dict, current: dict, where: str | os.PathLike) -> None:

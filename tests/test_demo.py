@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import shlex
 import threading
 import time
 
@@ -195,7 +196,7 @@ def test_the_report_regenerate_line_redraws_with_the_settings_the_demo_drew_with
         demo.run(tmp_path, data_dir=tmp_path / "no-data", quick=quick, offline=True, device="cpu",
                  log=lambda line: None)
     plan = demo.QUICK_PLAN if quick else demo.PLAN
-    words = demo.regenerate_command(plan, drawn.pop("run_dirs"), drawn.pop("out")).split()
+    words = shlex.split(demo.regenerate_command(plan, drawn.pop("run_dirs"), drawn.pop("out")))
     assert words[:2] == ["freqact", "figures"]
     args = vars(cli.build_parser(["figures"]).parse_args(words[1:]))
     assert args.pop("runs") == [str(tmp_path / "runs" / mode) for mode in demo.MODES]
@@ -205,3 +206,10 @@ def test_the_report_regenerate_line_redraws_with_the_settings_the_demo_drew_with
     del drawn["device"], drawn["progress"]
     parsed = {{"window_rule": "rule"}.get(dest, dest): value for dest, value in args.items()}
     assert parsed == {**{name: defaults[name] for name in parsed}, **drawn}
+
+
+def test_the_regenerate_command_keeps_a_path_with_spaces_one_argument():
+    command = demo.regenerate_command(demo.QUICK_PLAN, ["my runs/normal", "runs/lfc"], "my figures")
+    words = shlex.split(command)
+    assert words[2:4] == ["my runs/normal", "runs/lfc"]
+    assert words[words.index("--out") + 1] == "my figures"
