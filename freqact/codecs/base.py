@@ -116,6 +116,9 @@ class Codec:
     name: str = "codec"
     # False: correct only for the tensors the engine itself routes to it (masks, indices, shapes)
     whole_model: bool = True
+    # False: a packed form other saves depend on (one SDPA call's q, k, v and the saves recomputed
+    # from their decodes), which the engine never swaps for the tensor itself (`block._uncode`)
+    standalone: bool = True
     settings: tuple[Setting, ...] = ()
     title: str | None = None
 

@@ -216,6 +216,8 @@ class SdpaInput(TokenLayout):
     call, and decodes through the call (`SdpaCall.unpack`), so that one backward decodes each
     once for its own unpack and the recomputation together."""
 
+    standalone = False  # the call recomputes its other saves from this decode
+
     def __init__(self, division: TokenLayout, call: SdpaCall, role: str) -> None:
         super().__init__(division.division)
         self.call, self.role = call, role
@@ -245,6 +247,7 @@ class Recomputed(Codec):
 
     name = "recomputed"
     whole_model = False
+    standalone = False
 
     def __init__(self, call: SdpaCall, role: str) -> None:
         self.call, self.role = call, role

@@ -16,7 +16,6 @@ from freqact.codecs import base as _codec_base
 from freqact.codecs.base import Codec
 from freqact.codecs.division import Division
 from freqact.engine import compiled, graph_meter
-from freqact.engine.attention import Recomputed, SdpaInput
 from freqact.engine.layouts import TokenLayout
 from freqact.engine.meter import Meter
 from freqact.engine.params import ParamIndex, is_fsdp_unit
@@ -32,7 +31,6 @@ from freqact.engine.routes import (
     kind_of,
     route_for,
 )
-from freqact.engine.sdpa_math import MathSave
 from freqact.engine.tracker import FunctionTracker
 
 __all__ = ["compress"]
@@ -44,12 +42,6 @@ _ACTIVE = threading.local()
 _HOOKED: dict[int, str] = {}  # id(module) -> thread name of the block hooking it
 _HOOKED_LOCK = threading.Lock()
 RECOMPUTED = Route("recomputed-activation", Recompute())  # an output rebuilt from its packed input
-# The codecs of one SDPA call's saves, packed as a unit: its output and logsumexp (or the math
-# path's saves) are recomputed from the call's own decoded q, k, v. One of them held as is
-# (`_Compress._uncode`) would mix an exact tensor with values recomputed from its decode (an
-# exact k beside the logsumexp of the decoded one: exponential errors), and the call would
-# still hold the coded form that the meter no longer charges.
-_UNIT_CODECS = (SdpaInput, Recomputed, MathSave)
 
 
 class _Packed:
@@ -453,7 +445,7 @@ class _Compress:
             self._uncode(ptr, storage, t)
         owner = self._charged_to(ptr, storage, site)
         # a coded form a later save keeping the storage turns into a view (`_uncode`)
-        codable = route.copies and recipe is None and not isinstance(route.codec, _UNIT_CODECS)
+        codable = route.copies and recipe is None and route.codec.standalone
         if packed is not None:
             if packed.shape is not None and packed.shape != t.shape:
                 # the same elements through another view of the storage: decode to t's shape
@@ -491,7 +483,9 @@ class _Compress:
         form that still describes the storage's values (same version, same dtype) becomes t's
         view of its shape, strides and offset, held as is, and its charge is taken back (its
         plain bytes are charged again with this save). The reverse order is `_packed_form`'s
-        `_held` rule."""
+        `_held` rule. Codecs that are not `standalone` are never swapped: an SDPA call recomputes
+        its other saves from its q, k, v's decodes, and an exact k beside the logsumexp of the
+        decoded one gave gradients 287 times too large."""
         for coded in self._coded.pop(ptr, ()):
             packed = coded.packed()
             if (packed is None or coded.storage() is not storage or coded.version != t._version

@@ -18,7 +18,7 @@ range (max - min) is below its quantisation step, so that its decode noise (up t
 its own spread (a typical token of 128 features spans about 3 steps): elsewhere the layout alone,
 without the moments' bytes and their passes at pack and unpack (5-8 % of the zoo's small
 transformers' steps when always held). The range check is one pass of C (`cpu.token_flat`, 10-60
-us a tensor here; torch's amax and amin over a short last dim took up to 6 times longer, 180 us on
+us a tensor here; torch's amax and amin over a short last dim took up to 7 times longer, 180 us on
 (16, 256, 48)). Deciding reads a value (a device sync on a GPU), so on other devices, and in
 compiled graphs (static forms), they are always held.
 """

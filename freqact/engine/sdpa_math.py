@@ -301,6 +301,7 @@ class MathSave(Codec):
     """
 
     whole_model = False
+    standalone = False
 
     def __init__(self, saves: MathSaves, name: str) -> None:
         self.saves, self.name = saves, name
