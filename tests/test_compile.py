@@ -4,6 +4,7 @@ breaks, new shapes, eval, the refused combinations). Compiles are slow on 2 core
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -687,6 +688,25 @@ def test_compiled_meter_charges_activations_crossing_a_graph_break(fresh_dynamo)
         out = compiled(x)
     assert meter.saved_bytes == _held_bytes(out, model, x) >= 4 * 8 * 16 * 16 * 4
     assert "kept" in {route for row in meter.per_layer() for route in row.routes}
+
+
+def test_a_forward_past_the_recompile_limit_warns_that_it_kept_its_saves(fresh_dynamo):
+    # past dynamo's recompile limit a new size runs eagerly: its saves are kept as they are,
+    # which only the meter's ratio showed; one warning per block names the cause
+    torch.manual_seed(0)
+    tokens = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    compiled = torch.compile(tokens)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            with freqact.compress(compiled, "division") as meter:
+                compiled(torch.randn(4, 64, 32)).sum().backward()  # compiled: no warning
+        compressed = meter.ratio
+        with pytest.warns(RuntimeWarning, match="ran without any compiled graph.*recompile_limit"):
+            with freqact.compress(compiled, "division") as meter:
+                for _ in range(2):  # warned once
+                    compiled(torch.randn(6, 64, 32)).sum().backward()
+    assert compressed > 4 and meter.ratio == 1.0
 
 
 def test_frozen_weights_saved_where_the_model_runs_eagerly_are_not_charged():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -111,12 +112,16 @@ class Charger:
         # dropped inside the block frees its graph and packed forms at once, as without the meter)
         self._charged: weakref.WeakSet = weakref.WeakSet()
         self._kept: dict[int, weakref.ref] = {}  # storage ptr -> storage, eager saves charged
+        self._eager_saves = 0  # saves the hooks saw on real tensors since the last forward's end
+        self._warned = False
 
     def __call__(self, output) -> None:
-        """Charge the compiled graphs behind output (a forward's result, any nesting)."""
+        """Charge the compiled graphs behind output (a forward's result, any nesting); warn (once
+        per block) when a forward that saved tensors ran no compiled graph at all."""
         stack = [t.grad_fn for t in pytree.tree_leaves(output)
                  if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         visited = set()
+        compiled = False
         while stack:
             node = stack.pop()
             if node is None or node in visited:
@@ -124,6 +129,7 @@ class Charger:
             visited.add(node)
             stack.extend(next_node for next_node, _ in node.next_functions)
             rows = _plan_of(node)
+            compiled = compiled or rows is not None
             if rows is None or node in self._charged:  # a compiled graph's node is a Python one
                 continue
             self._charged.add(node)
@@ -132,6 +138,14 @@ class Charger:
                 self.meter._record(layer, type_name, row.route)
                 self.meter._charge(layer, type_name, row.route, row.saved_bytes, row.exact_bytes)
             self._graph_inputs(node)
+        if not compiled and self._eager_saves and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"compress: a forward of the compiled {self.model_type} ran without any compiled "
+                f"graph (dynamo's recompile limit reached, torch._dynamo.config.recompile_limit, "
+                f"or a disabled frame), so its {self._eager_saves} saved tensors were kept as "
+                f"they are; pad or bucket the input sizes", RuntimeWarning, stacklevel=2)
+        self._eager_saves = 0
 
     def _graph_inputs(self, node) -> None:
         """Charge, kept, the activations compiled graph node saves that no plan holds: its
@@ -171,6 +185,7 @@ def charge_eager(t: torch.Tensor) -> None:
     """Charge t, kept where the model runs eagerly, to the meter of this thread's block."""
     charger = getattr(_CURRENT, "charger", None)
     if charger is not None:
+        charger._eager_saves += 1
         charger.eager(t)
 
 
