@@ -865,6 +865,21 @@ def test_batchnorm1d_on_features_keeps_gradients(batch):
         assert _rel_grad_error(model, torch.randn(batch, 16)) < 2
 
 
+@pytest.mark.parametrize(("cls", "shape", "coded"), [
+    (nn.BatchNorm1d, (2, 32), False), (nn.BatchNorm1d, (7, 32), False), (nn.BatchNorm1d, (8, 32), True),
+    (nn.BatchNorm1d, (1, 8, 6), False), (nn.BatchNorm2d, (1, 8, 2, 3), False),
+    (nn.BatchNorm2d, (2, 8, 2, 2), True)])
+def test_batchnorm_over_few_values_per_channel_is_kept(cls, shape, coded):
+    # Statistics over P < 8 values per channel (HF LeViT's 1-token stages: the (N * T, C) rows of
+    # batch 2 are 2 values) keep the input: at P = 2 the exact input gradient is 0 and the coded
+    # input's noise was all of it (LeViT: relative gradient errors up to 55; test_hf_models).
+    bn = cls(shape[1])
+    with compress(bn, "division") as meter:
+        bn(torch.randn(shape)).sum().backward()
+    (row,) = meter.per_layer()
+    assert row.routes == (("division", "kept") if coded else ("kept",))
+
+
 @pytest.mark.parametrize("codec", ["exact", "cloning"])
 @pytest.mark.parametrize("shape", [(16, 16), (4, 48)])
 def test_batchnorm1d_on_features_lossless_is_bitwise(codec, shape):
