@@ -2,7 +2,7 @@
 
 `theoretical_ratio(model, input_shape, codec)` is the batch-size-independent compression ratio of
 the activations a model caches for backward (the idea of the DIVISION paper's Appendix P). Instead
-of a hand-written per-layer formula it runs `freqact.compress` on two tiny all-zero batches of a
+of a hand-written per-layer formula it runs `freqact.compress` on two small all-zero batches of a
 copy of the model and takes the per-sample difference. Every packed size is data-independent (it is
 each codec's storage formula, e.g. DIVISION's Q*P/8 + 2*prod(nb) + 4 bytes per map, 1 bit per
 element for ReLU masks, 1 byte per MaxPool index), so the difference is exactly
@@ -21,11 +21,17 @@ from torch import nn
 
 from freqact.codecs.base import Codec
 from freqact.engine import compress
+from freqact.engine.routes import MIN_BATCH_VALUES
 
 __all__ = ["theoretical_ratio", "per_sample_bytes"]
 
-# Two batches, not 1 and 2: BatchNorm in training mode refuses one value per channel.
-_BATCHES = (2, 3)
+# Two batches of at least `routes.MIN_BATCH_VALUES` samples: below that a BatchNorm input of
+# (N, C) is kept (statistics over too few values), which at batches 2 and 3 charged a
+# Linear-BatchNorm1d MLP's BatchNorm input plain (ratio 1.88; the meter at batch 256: 6.8; now
+# 7.0, tests/test_memory.py).
+# Multiples of 8: such an input is coded one map per channel over the batch, whose block means
+# (B = 8) and code bytes then grow by whole blocks and bytes, as over a large batch.
+_BATCHES = (MIN_BATCH_VALUES, 2 * MIN_BATCH_VALUES)
 
 
 def _check_input_shape(input_shape: object) -> tuple[int, ...]:

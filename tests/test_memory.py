@@ -40,6 +40,21 @@ def test_cnn_matches_the_formula():
                      + 8 * 256 / 8 + 0 + 8 * 64 + _division_map_bytes(512))
 
 
+def test_batchnorm1d_mlp_is_charged_as_a_training_batch():
+    # the per-sample difference was taken at batches 2 and 3, where BatchNorm1d's (N, C) input is
+    # kept (routes.MIN_BATCH_VALUES): every sample charged plain, ratio 1.88 (the meter at batch
+    # 256: 6.8)
+    model = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 10))
+    exact, saved = per_sample_bytes(model, (64,), "division", block=8, bits=2)
+    assert exact == (64 + 256 + 256) * 4  # the Linears' inputs and BatchNorm's
+    # per sample: a 64-map, the BatchNorm input as 256 per-channel maps over the batch (2 bits
+    # and a bf16 mean per 8 samples each), the ReLU output's 1-bit mask and its values for the
+    # last Linear (a 256-map)
+    assert saved == (_division_map_bytes(64) + 256 * (2 / 8 + 2 / 8) + 256 / 8
+                     + _division_map_bytes(256))
+    assert theoretical_ratio(model, (64,)) == exact / saved > 6.5
+
+
 def test_model_state_and_rng_untouched():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout(0.5)).eval()
