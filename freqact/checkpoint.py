@@ -30,6 +30,10 @@ MAX_CLASSES = 100_000
 # Types of the stored config fields the analyses read (None is accepted where a run has none).
 _CONFIG_TYPES = {"dataset": (str,), "mode": (str,), "data_dir": (str,), "subset": (int,),
                  "seed": (int,), "batch_size": (int,), "epochs": (int,), "model_options": (dict,)}
+# Config keys `freqact train` writes as None when the run has none (the RunConfig fields that
+# default to None, and "kernels" of a normal run): present with None is a value, not a gap.
+MAY_BE_NONE = frozenset({"subset", "data_dir", "device", "save_every", "log_every", "include",
+                         "exclude", "kernels"})
 
 
 def atomic_write(path: str | os.PathLike, data: bytes) -> None:
@@ -191,7 +195,8 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *,
         path: a checkpoint written by `freqact train`.
         device: where to put the model.
         required: config keys the caller reads besides "model" and "num_classes" (e.g. "dataset");
-            missing or None, they are refused with the others, before anything is built.
+            missing (`missing_keys`: absent, or None where train never writes None), they are
+            refused with the others, before anything is built.
 
     Returns:
         (model, ckpt): the model `build_model(config["model"], config["num_classes"],
@@ -231,6 +236,17 @@ def build_model(name: str, num_classes: int, options: dict | None = None) -> tor
     return models.get(name, num_classes=num_classes, **options)
 
 
+def missing_keys(config: dict, keys: Sequence[str]) -> list[str]:
+    """The `keys` a stored run config lacks, each once, in order: absent, or None where `freqact
+    train` never writes None (a None "subset" or "data_dir" is a run without one: `MAY_BE_NONE`).
+
+    >>> missing_keys({"dataset": "cifar10", "subset": None, "seed": None}, ["dataset", "subset", "seed", "data_dir"])
+    ['seed', 'data_dir']
+    """
+    return [key for key in dict.fromkeys(keys)
+            if key not in config or (config[key] is None and key not in MAY_BE_NONE)]
+
+
 def _check_size(path, config: dict, state: dict) -> None:
     """Refuse a config whose model would hold more values than the checkpoint's weights (a
     crafted `model_options` must not make the rebuild allocate): built on the meta device first."""
@@ -247,13 +263,13 @@ def _checked_config(path, ckpt: dict, required: Sequence[str] = ()) -> dict:
     """The checkpoint's config, its fields checked before a model is built from them.
 
     The checkpoint's "epoch" and the config's "model", "num_classes" and `required` keys must be
-    present and not None (one line names the file and every one missing). A crafted config must
+    there (`missing_keys`; one line names the file and every one missing). A crafted config must
     not make the rebuild allocate (num_classes = 10**9 is a 10**9-row classifier) nor reach code
     paths with values of the wrong type.
     """
     config = ckpt.get("config")
     config = config if isinstance(config, dict) else {}
-    missing = [key for key in dict.fromkeys(("model", "num_classes", *required)) if config.get(key) is None]
+    missing = missing_keys(config, ("model", "num_classes", *required))
     lacks = (["lacks 'epoch'"] if ckpt.get("epoch") is None else []) + (
         [f"its config lacks {', '.join(map(repr, missing))}"] if missing else [])
     if lacks:

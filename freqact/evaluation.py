@@ -14,6 +14,9 @@ import torch.nn.functional as F
 
 from freqact import _validate, checkpoint, data, distributed
 
+# The config keys `evaluate_checkpoint` reads (data_dir and subset may be None: the run had none).
+CONFIG_KEYS = ("dataset", "data_dir", "subset", "seed")
+
 
 def evaluate(model: torch.nn.Module, loader: Iterable, device: str | torch.device) -> dict:
     """Mean cross-entropy and accuracy of `model` over `loader`, without gradients.
@@ -44,12 +47,18 @@ def evaluate_checkpoint(path: str, *, data_dir: str | None = None, device: str |
         device: where to evaluate (default: CUDA when available).
         batch_size: evaluation batch size.
 
+    Raises:
+        ValueError: naming the file, for one `checkpoint.load_model` refuses, or whose config
+            lacks one of `CONFIG_KEYS`.
+
     Returns:
         `evaluate`'s dict plus "epoch", "checkpoint" and "unit" (what "count" counts: "images",
         or "tokens" for the text dataset, whose every next byte is a target).
     """
     ctx = distributed.Context(device=distributed.pick_device(device))
-    net, ckpt = checkpoint.load_model(path, ctx.device)
+    # every key train writes (data_dir and subset as None when the run had none): a checkpoint
+    # without one is refused in one line naming the file and the key, before a model is built
+    net, ckpt = checkpoint.load_model(path, ctx.device, required=CONFIG_KEYS)
     cfg = ckpt["config"]
     ds = data.load_for_model(cfg["dataset"], net, data_dir or cfg["data_dir"], subset=cfg["subset"],
                              seed=cfg["seed"], device=ctx.device)

@@ -351,8 +351,8 @@ def check_folder(path: str | os.PathLike, argument: str = "out") -> Path:
 
 
 def require_keys(where: str | os.PathLike, mapping: dict, keys: Sequence[str]) -> None:
-    """Refuse a stored dict (a run's config) that lacks one of `keys` or holds None there
-    (a checkpoint's keys: `checkpoint.load_model(required=)`).
+    """Refuse a stored dict (a run's config) that lacks one of `keys` (`checkpoint.missing_keys`:
+    absent, or None where train never writes None), as `checkpoint.load_model(required=)` does.
 
     Args:
         where: the file, named in the message.
@@ -367,7 +367,7 @@ def require_keys(where: str | os.PathLike, mapping: dict, keys: Sequence[str]) -
     ...
     ValueError: config.json: lacks 'dataset', 'seed', which freqact train writes (not a freqact run's file, or damaged)
     """
-    missing = [key for key in keys if mapping.get(key) is None]
+    missing = checkpoint.missing_keys(mapping, keys)
     if missing:
         raise ValueError(f"{where}: lacks {', '.join(map(repr, missing))}, which freqact train "
                          "writes (not a freqact run's file, or damaged)")

@@ -120,3 +120,44 @@ def test_load_model_mismatch_is_a_clear_error(tmp_path):
     checkpoint.save(path, _ckpt(torch.nn.Linear(3, 2), name="mlp"))
     with pytest.raises(ValueError, match="do not fit model 'mlp'"):
         checkpoint.load_model(path)
+
+
+def test_missing_keys_takes_none_only_where_train_writes_none():
+    import dataclasses
+
+    from freqact import runconfig
+    # the RunConfig fields that default to None (out is always filled in), and a normal run's kernels
+    written_as_none = {f.name for f in dataclasses.fields(runconfig.RunConfig) if f.default is None}
+    assert (written_as_none - {"out"}) | {"kernels"} == checkpoint.MAY_BE_NONE
+    config = {"dataset": "synthetic", "subset": None, "data_dir": None, "seed": None}
+    assert checkpoint.missing_keys(config, ["dataset", "subset", "data_dir", "seed", "epochs"]) == ["seed", "epochs"]
+
+
+def _eval_ckpt(tmp_path, drop=(), **config) -> str:
+    ckpt = _ckpt(models.get("mlp", num_classes=10))
+    ckpt["config"].update({"dataset": "synthetic", "data_dir": None, "subset": 16, "seed": 0, **config})
+    for key in drop:
+        del ckpt["config"][key]
+    path = tmp_path / "dir with spaces" / f"no-{'-'.join(drop) or 'gap'}.pt"
+    checkpoint.save(path, ckpt)
+    return str(path)
+
+
+@pytest.mark.parametrize("drop, none", [(("data_dir",), ()), (("subset",), ()), (("seed",), ()), (("dataset",), ()),
+                                        ((), ("seed",)), ((), ("dataset",))])
+def test_cli_eval_names_the_file_and_the_key_a_config_lacks(tmp_path, capsys, drop, none):
+    from freqact import cli
+
+    path = _eval_ckpt(tmp_path, drop, **dict.fromkeys(none))
+    assert cli.main(["eval", path, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"freqact eval: error: {path}: its config lacks {(drop or none)[0]!r}, which freqact train "
+                   "writes (not a freqact checkpoint, or damaged)")
+
+
+def test_cli_eval_takes_the_none_train_writes_for_data_dir_and_subset(tmp_path, capsys):
+    from freqact import cli
+
+    path = _eval_ckpt(tmp_path, subset=None)
+    assert cli.main(["eval", path, "--device", "cpu", "--batch-size", "64"]) == 0
+    assert capsys.readouterr().out.startswith(f"{path} (epoch 3): test loss ")
