@@ -242,17 +242,23 @@ def run(
         return report
 
 
-def regenerate_command(plan: Plan, runs: Sequence[str], out: str = "figures") -> str:
+def regenerate_command(plan: Plan, runs: Sequence[str], out: str = "figures", device: str | None = None) -> str:
     """The `freqact figures` command that redraws the demo's figures with the demo's own settings
-    (`plan.figure_settings()`, as `run` passes them to `figures.make_all`; the tables are reused),
-    quoted for a POSIX shell (a path with spaces stays one argument).
+    (`plan.figure_settings()` and the device, as `run` passes them to `figures.make_all`; the
+    tables are reused), quoted for a POSIX shell (a path with spaces stays one argument).
+
+    Args:
+        device: where the demo drew ("cpu", "cuda:0"); None leaves `--device` out (its default).
 
     >>> regenerate_command(QUICK_PLAN, ["runs/normal"])
     'freqact figures runs/normal --out figures --ratio 0.1 --lambda-images 8 --theorem-images 8 --pooling-images 4'
+    >>> regenerate_command(QUICK_PLAN, ["runs/normal"], device="cuda:0").split(" --ratio")[0]
+    'freqact figures runs/normal --out figures --device cuda:0'
     """
     options = [word for key, value in plan.figure_settings().items()
                for word in (f"--{key.replace('_', '-')}", str(value))]
-    return shlex.join(["freqact", "figures", *map(str, runs), "--out", str(out), *options])
+    where = [] if device is None else ["--device", str(device)]
+    return shlex.join(["freqact", "figures", *map(str, runs), "--out", str(out), *where, *options])
 
 
 def _has_cifar10(root: Path) -> bool:
@@ -313,7 +319,7 @@ def _run_lines(plan: Plan, choice: DataChoice, results: dict, link: Callable, se
         f"- Analyses on the `normal` run ({link(analysed)}), W/N = {plan.ratio} (as LFC-ACT/HFC-ACT): λ on "
         f"{plan.lambda_images} test images per checkpoint, Theorem 3.1 on {plan.theorem_images}, "
         f"pooling on {plan.pooling_images}. Regenerate every figure from this folder with "
-        f"`{regenerate_command(plan, [link(results[m]['run_dir']) for m in MODES])}`.",
+        f"`{regenerate_command(plan, [link(results[m]['run_dir']) for m in MODES], device=config['device'])}`.",
         "",
     ]
 

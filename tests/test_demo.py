@@ -196,16 +196,27 @@ def test_the_report_regenerate_line_redraws_with_the_settings_the_demo_drew_with
         demo.run(tmp_path, data_dir=tmp_path / "no-data", quick=quick, offline=True, device="cpu",
                  log=lambda line: None)
     plan = demo.QUICK_PLAN if quick else demo.PLAN
-    words = shlex.split(demo.regenerate_command(plan, drawn.pop("run_dirs"), drawn.pop("out")))
+    words = shlex.split(demo.regenerate_command(plan, drawn.pop("run_dirs"), drawn.pop("out"), drawn["device"]))
     assert words[:2] == ["freqact", "figures"]
     args = vars(cli.build_parser(["figures"]).parse_args(words[1:]))
     assert args.pop("runs") == [str(tmp_path / "runs" / mode) for mode in demo.MODES]
     assert args.pop("out") == str(tmp_path / "figures")
-    for name in ("command", "handler", "device"):  # the device: where the demo ran, not what it drew
+    for name in ("command", "handler"):
         args.pop(name)
-    del drawn["device"], drawn["progress"]
+    del drawn["progress"]
     parsed = {{"window_rule": "rule"}.get(dest, dest): value for dest, value in args.items()}
     assert parsed == {**{name: defaults[name] for name in parsed}, **drawn}
+
+
+def test_the_report_regenerate_line_names_the_device_the_demo_drew_on(tmp_path):
+    """report.md's line carries the device the runs recorded ("cuda:1": `figures` defaults to cpu)."""
+    results = {mode: {"config": demo.train.RunConfig(mode=mode, device="cuda:1").to_dict(),
+                      "run_dir": str(tmp_path / "demo dir" / "runs" / mode)} for mode in demo.MODES}
+    choice = demo.DataChoice("digits", None, "digits")
+    lines = demo._run_lines(demo.QUICK_PLAN, choice, results, str, 0.0)
+    command = next(line for line in lines if "freqact figures" in line).split("`")[-2]
+    args = cli.build_parser(["figures"]).parse_args(shlex.split(command)[1:])
+    assert args.device == "cuda:1" and args.runs[0] == str(tmp_path / "demo dir" / "runs" / "normal")
 
 
 def test_the_regenerate_command_keeps_a_path_with_spaces_one_argument():
