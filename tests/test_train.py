@@ -187,6 +187,12 @@ def test_cli_train_then_eval(tmp_path, capsys):
     (["--bits", "3"], "bits"),
     (["--block", "0"], "block"),
     (["--ratio", "2"], "ratio"),
+    # model settings of the wrong type: the family's UsageTypeError, not a traceback
+    (["--model-options", '{"hidden": 64}'], "hidden: expected a tuple"),
+    (["--model-options", '{"input_shape": 5}'], "input_shape: expected a tuple"),
+    (["--model-options", '{"input_shape": [1, 2, 3, 4]}'], "input_shape: expected (F,)"),
+    (["--model", "swin", "--model-options", '{"depths": 2}'], "depths, heads: expected tuples"),
+    (["--model", "mobilenet_v2", "--model-options", '{"width_mult": "x"}'], "width_mult: expected a number"),
 ])
 def test_cli_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, match):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]

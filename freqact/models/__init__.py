@@ -135,7 +135,7 @@ def check_stages(**stages: object) -> None:
     lengths = {len(v) if isinstance(v, tuple) else -1 for v in stages.values()}
     if len(lengths) != 1 or lengths.pop() < 1:
         got = ", ".join(repr(v) for v in stages.values())
-        raise TypeError(f"{names}: expected tuples of equal length >= 1, got {got}")
+        raise UsageTypeError(f"{names}: expected tuples of equal length >= 1, got {got}")
     for name, values in stages.items():
         for i, value in enumerate(values):
             _validate.positive_int(f"{name}[{i}]", value)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from freqact import _validate
+from freqact.errors import UsageError, UsageTypeError
 from freqact.models import check_dropout, register
 
 
@@ -26,12 +27,14 @@ class MLP(nn.Module):
                  dropout: float = 0.0, input_shape: tuple[int, ...] = (3, 32, 32)) -> None:
         super().__init__()
         _validate.positive_int("num_classes", num_classes)
+        if not isinstance(hidden, (tuple, list)):
+            raise UsageTypeError(f"hidden: expected a tuple of widths (integers >= 1), got {hidden!r}")
         for w in hidden:
             _validate.positive_int("hidden", w)
         if not isinstance(input_shape, (tuple, list)):
-            raise TypeError(f"input_shape: expected a tuple of ints, got {input_shape!r}")
+            raise UsageTypeError(f"input_shape: expected a tuple of ints, got {input_shape!r}")
         if not 1 <= len(input_shape) <= 3:
-            raise ValueError(
+            raise UsageError(
                 f"input_shape: expected (F,), (C, L) or (C, H, W), got {tuple(input_shape)}"
             )
         for d in input_shape:

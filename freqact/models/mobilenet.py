@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from freqact import _validate
+from freqact.errors import UsageError, UsageTypeError
 from freqact.models import check_dropout, init_conv_bn, register
 
 # (expansion t, output channels c, repeats n, stride of the first repeat s); the paper's Table 2
@@ -88,9 +89,9 @@ class MobileNetV2(nn.Module):
         _validate.positive_int("num_classes", num_classes)
         _validate.positive_int("in_channels", in_channels)
         if isinstance(width_mult, bool) or not isinstance(width_mult, numbers.Real):
-            raise TypeError(f"width_mult: expected a number > 0, got {width_mult!r}")
+            raise UsageTypeError(f"width_mult: expected a number > 0, got {width_mult!r}")
         if not width_mult > 0:
-            raise ValueError(f"width_mult: expected a number > 0, got {width_mult}")
+            raise UsageError(f"width_mult: expected a number > 0, got {width_mult}")
         self.input_shape = (in_channels, 32, 32)
 
         channels = _round_channels(32 * width_mult)
