@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from freqact import _validate, dct, engine, plots, rundir, train
+from freqact import _validate, dct, distributed, engine, plots, rundir, train
 from freqact.analysis import common, pipelines
 
 FIGURES = ("lambdas", "training", "theorem31", "pooling", "compression")
@@ -196,7 +196,8 @@ def make_all(
 
     Raises:
         ValueError: if `run_dirs` is empty, holds runs of different models or datasets, or
-            `analysis_run` is not one of them.
+            `analysis_run` is not one of them, or a setting is out of range (all checked before
+            anything is computed).
         FileNotFoundError: if a run directory lacks config.json, metrics.jsonl or checkpoints.
     """
     if isinstance(run_dirs, (str, os.PathLike)) or not run_dirs:
@@ -204,6 +205,17 @@ def make_all(
     _validate.unit_ratio("ratio", ratio)
     _validate.choice("rule", rule, dct.WINDOW_RULES)
     _validate.choice("layers", layers, common.LAYER_SETS)
+    # every setting is checked before the first analysis runs (a bad pooling_images would
+    # otherwise be refused minutes later, after λ and the memory runs, as "images")
+    for name, images in (("lambda_images", lambda_images), ("theorem_images", theorem_images),
+                         ("pooling_images", pooling_images), ("memory_images", memory_images)):
+        if images is not None or name != "memory_images":
+            _validate.positive_int(name, images)
+    if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Sequence) or not blocks:
+        raise ValueError(f"blocks: expected a non-empty list of block sizes, got {blocks!r}")
+    for block in blocks:
+        _validate.positive_int("blocks", block)
+    distributed.pick_device(str(device))
     runs = [Path(r) for r in run_dirs]
     configs = [rundir.RunDir(r).read_config(required=RUN_KEYS) for r in runs]
     for run, config in zip(runs[1:], configs[1:]):  # one model on one dataset in every figure

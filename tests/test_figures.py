@@ -210,6 +210,27 @@ def test_cli_figures_refuses_a_config_lacking_a_key_in_one_line(tmp_path, capsys
     assert err.count("\n") == 1 and str(run / "config.json") in err and f"lacks {missing!r}" in err
 
 
+@pytest.mark.parametrize("argv, match", [
+    (["--pooling-images", "0"], "pooling_images: expected an integer >= 1, got 0"),
+    (["--theorem-images", "-2"], "theorem_images: expected an integer >= 1, got -2"),
+    (["--lambda-images", "0"], "lambda_images: expected an integer >= 1, got 0"),
+    (["--memory-images", "0"], "memory_images: expected an integer >= 1, got 0"),
+    (["--device", "gpu"], "device: expected 'cpu', 'cuda' or 'cuda:N', got 'gpu'"),
+])
+def test_cli_figures_checks_every_setting_before_the_first_analysis(monkeypatch, tmp_path, capsys, argv, match):
+    monkeypatch.setattr(figures.pipelines, "lambdas_analysis", lambda *a, **k: pytest.fail("measured"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model": "resnet20", "dataset": "synthetic", "mode": "normal",
+                                                 "batch_size": 16}))
+    (run / "metrics.jsonl").write_text('{"epoch": 1, "test_acc": 0.1, "train_loss": 2.0}\n')
+    assert cli.main(["figures", str(run), "--out", str(tmp_path / "out"), *argv]) == 2
+    assert capsys.readouterr().err == f"freqact figures: error: {match}\n"
+    with pytest.raises(ValueError, match="blocks"):
+        figures.make_all([run], tmp_path / "out", blocks=[8, 0])
+    assert not (tmp_path / "out").exists()
+
+
 def test_make_all_refuses_runs_of_different_models_before_measuring(tmp_path):
     for name, model in (("a", "resnet20"), ("b", "mobilenet_v2")):
         (tmp_path / name).mkdir()
