@@ -80,7 +80,8 @@ def pick_device(device: str | None = None) -> torch.device:
     """`device` as a torch.device; None means CUDA when available, else the CPU.
 
     Raises:
-        ValueError: if `device` is not a device name, or asks for CUDA on a machine without it.
+        ValueError: if `device` is not a device name, or asks for CUDA on a machine without it,
+            or for a GPU index the machine does not have ("cuda:3" with two GPUs).
     """
     name = device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -90,6 +91,9 @@ def pick_device(device: str | None = None) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: expected 'cpu' on this machine (no CUDA available), "
                          f"got {name!r}")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device: expected 'cuda' or 'cuda:N' with N < {torch.cuda.device_count()} "
+                         f"(the GPUs this machine has), got {name!r}")
     return dev
 
 

@@ -202,6 +202,18 @@ def test_cli_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, match):
     assert code == 2 and match in err and len(err.strip().splitlines()) == 1
 
 
+def test_cli_refuses_a_gpu_index_this_machine_lacks_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for argv in (["train", "--model", "mlp", "--dataset", "synthetic", "--out", str(tmp_path / "run")],
+                 ["figures", str(tmp_path / "run")]):
+        assert cli.main([*argv, "--device", "cuda:2"]) == 2
+        err = capsys.readouterr().err
+        assert err.endswith("error: device: expected 'cuda' or 'cuda:N' with N < 2 (the GPUs this machine has), "
+                            "got 'cuda:2'\n") and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 def test_real_cifar_smoke(tmp_path, cifar_dir):
     results = train.train(_config(tmp_path, dataset="cifar10", data_dir=str(cifar_dir.parent),
