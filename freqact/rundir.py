@@ -57,6 +57,9 @@ METRIC_COLUMNS = (
     "epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time_s",
     "images_per_s", "saved_bytes", "exact_bytes", "compression_ratio", "cuda_peak_bytes",
 )
+# What a resume restores from a checkpoint (`check_resume_state`), with the type train writes.
+RESUME_STATE = {"epoch": int, "config": dict, "model": dict, "optimizer": dict, "scheduler": dict,
+                "scaler": dict, "rng": dict, "metrics": list}
 # Bounds on what a reader takes in: a run's config is a few hundred bytes, a metrics line ~300.
 MAX_CONFIG_BYTES = 1 << 20
 MAX_METRICS_BYTES = 64 << 20
@@ -282,15 +285,16 @@ class RunDir:
             say which epoch files were skipped as unloadable and why.
 
         Raises:
-            ValueError: if last.pt exists but cannot be loaded (it is never skipped: it is the
-                run's newest state), or every epoch checkpoint is unloadable.
+            ValueError: if last.pt exists but cannot be loaded or lacks what a resume restores
+                (`check_resume_state`; it is never skipped: it is the run's newest state), or
+                every epoch checkpoint is so.
         """
         if self.last.is_file():
-            return self.last, checkpoint.load(self.last), []
+            return self.last, check_resume_state(self.last, checkpoint.load(self.last)), []
         notes = []
         for path in reversed(self.epoch_checkpoints()):
             try:
-                return path, checkpoint.load(path), notes
+                return path, check_resume_state(path, checkpoint.load(path)), notes
             except ValueError as err:
                 notes.append(str(err))
         if notes:
@@ -371,6 +375,27 @@ def require_keys(where: str | os.PathLike, mapping: dict, keys: Sequence[str]) -
     if missing:
         raise ValueError(f"{where}: lacks {', '.join(map(repr, missing))}, which freqact train "
                          "writes (not a freqact run's file, or damaged)")
+
+
+def check_resume_state(path: str | os.PathLike, ckpt: dict) -> dict:
+    """Return `ckpt` if it holds every entry a resume restores, of the type `freqact train`
+    writes (`RESUME_STATE`: an "epoch" >= 1, dicts of state, a list of metrics rows), else refuse
+    it in one line naming the file and the entries (a damaged or hand-made checkpoint reached
+    KeyErrors and TypeErrors deep in the restore).
+
+    Raises:
+        ValueError: naming `path` and every entry missing or of the wrong type.
+    """
+    bad = [key for key, kind in RESUME_STATE.items()
+           if isinstance(ckpt.get(key), bool) or not isinstance(ckpt.get(key), kind)]
+    if "epoch" not in bad and ckpt["epoch"] < 1:
+        bad.append("epoch")
+    if "metrics" not in bad and not all(isinstance(row, dict) for row in ckpt["metrics"]):
+        bad.append("metrics")
+    if bad:
+        raise ValueError(f"{path}: cannot resume from it: {', '.join(map(repr, bad))} missing or not what "
+                         "freqact train writes (damaged, or not a training checkpoint)")
+    return ckpt
 
 
 def check_resumable(saved: dict, current: dict, where: str | os.PathLike) -> None:

@@ -220,11 +220,16 @@ def _resume(state: _Trainer) -> None:
         return
     # runs written before the fsdp setting existed were not sharded
     rundir.check_resumable({"fsdp": False, **ckpt["config"]}, state.stored_config, path)
-    distributed.load_full_state(state.net, state.optimizer, ckpt["model"], ckpt["optimizer"], ctx,
-                                state.config.fsdp)
-    state.scheduler.load_state_dict(ckpt["scheduler"])
-    state.scaler.load_state_dict(ckpt["scaler"])
-    _set_rng(ckpt["rng"], ctx, state.aug_gen)
+    try:  # the entries are there (`rundir.check_resume_state`); their contents come from a file
+        distributed.load_full_state(state.net, state.optimizer, ckpt["model"], ckpt["optimizer"], ctx,
+                                    state.config.fsdp)
+        state.scheduler.load_state_dict(ckpt["scheduler"])
+        state.scaler.load_state_dict(ckpt["scaler"])
+        _set_rng(ckpt["rng"], ctx, state.aug_gen)
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"resume: {path}: its saved state does not fit this run "
+                         f"({type(err).__name__}: {first}); delete it or choose another --out") from None
     state.metrics, state.start_epoch = list(ckpt["metrics"]), ckpt["epoch"]
     missing = "" if path == run.last else f" ({run.last.name} is missing)"
     left = (f"epochs {state.start_epoch + 1}-{state.config.epochs} to go"

@@ -19,7 +19,8 @@ from freqact.rundir import RunDir
 
 def _ckpt(epoch: int) -> dict:
     return {"format": checkpoint.FORMAT, "epoch": epoch, "config": {"model": "mlp"},
-            "model": {"w": torch.full((2,), float(epoch))}, "metrics": []}
+            "model": {"w": torch.full((2,), float(epoch))}, "optimizer": {}, "scheduler": {}, "scaler": {},
+            "rng": {}, "metrics": []}
 
 
 def test_layout_is_the_documented_one(tmp_path):
@@ -218,6 +219,37 @@ def test_resume_checkpoint_takes_last_else_the_newest_loadable_epoch(tmp_path):
         run.epoch_path(epoch).write_bytes(b"x")
     with pytest.raises(ValueError, match="no last.pt and no loadable epoch checkpoint"):
         run.resume_checkpoint()
+
+
+@pytest.mark.parametrize("damage", [{"scaler": None}, {"rng": [1]}, {"config": [1]}, {"epoch": "3"}, {"epoch": 0},
+                                    {"epoch": True}, {"metrics": 5}, {"metrics": [1]}, {"optimizer": None}])
+def test_resume_checkpoint_refuses_one_that_lacks_what_a_resume_restores(tmp_path, damage):
+    run = RunDir(tmp_path)
+    checkpoint.save(run.epoch_path(1), _ckpt(1))
+    checkpoint.save(run.epoch_path(2), {**_ckpt(2), **damage})  # skipped, with a note naming it
+    path, ckpt, notes = run.resume_checkpoint()
+    assert path == run.epoch_path(1) and len(notes) == 1
+    key = next(iter(damage))
+    assert notes[0] == (f"{run.epoch_path(2)}: cannot resume from it: {key!r} missing or not what freqact train "
+                        "writes (damaged, or not a training checkpoint)")
+    checkpoint.save(run.last, {**_ckpt(3), **damage})  # the newest state: refused, never skipped
+    with pytest.raises(ValueError, match=f"last.pt: cannot resume from it: {key!r}"):
+        run.resume_checkpoint()
+
+
+def test_cli_resume_from_a_checkpoint_whose_state_does_not_fit_is_one_line(tmp_path, capsys):
+    argv = ["train", "--model", "mlp", "--dataset", "synthetic", "--epochs", "1", "--subset", "16",
+            "--batch-size", "16", "--out", str(tmp_path / "run a"), "--device", "cpu", "--save-epochs"]
+    assert cli.main(argv) == 0
+    last = RunDir(tmp_path / "run a").last
+    ckpt = checkpoint.load(last)
+    for damage in ({"optimizer": {"state": {}}}, {"rng": {"torch": []}}, {"model": {}}):
+        checkpoint.save(last, {**ckpt, **damage})
+        capsys.readouterr()
+        assert cli.main([*argv, "--resume"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"freqact train: error: resume: {last}: its saved state does not fit this run (")
+        assert err.count("\n") == 1
 
 
 @pytest.mark.parametrize("command", [["train", "--dataset", "synthetic", "--epochs", "1"],
