@@ -40,6 +40,9 @@ bits with or without a resume. A resume needs the same number of ranks (the RNG 
 rank) and the same training settings; only device, out, data_dir, download, log_every and
 the checkpoint cadence may change. Without `ckpt/last.pt` a resume continues from the newest
 loadable `ckpt/epoch-XXXX.pt` (and says so); it always prints the epoch it continues after.
+Without resume, an `out` that holds a run (checkpoints, or config.json alone: a run stopped in its
+first epoch, or another tool's file) is refused; with resume and no checkpoint, its config.json
+must match the run's settings, as a checkpoint's must, so another run's files are never overwritten.
 
 One writer per run directory: rank 0 holds `RunDir.lock()` for the whole run, so a second `train`
 with the same `out` is refused (`rundir.RunDirBusy`). SIGINT and SIGTERM raise `Interrupted`
@@ -145,7 +148,8 @@ def _run(config: RunConfig, ctx: distributed.Context, model: torch.nn.Module | N
         _validate.choice("model", config.model, tuple(models.names()))
     run = rundir.RunDir(config.out)
     with _writer_lock(run, ctx), _Interrupts() as interrupts:
-        if not config.resume and (run.last.is_file() or run.epoch_checkpoints()):
+        # config.json alone: a run stopped in its first epoch, or another tool's file (not overwritten)
+        if not config.resume and (run.last.is_file() or run.epoch_checkpoints() or run.config_path.is_file()):
             raise ValueError(f"out: {run} already holds a run; pass --resume to continue it or "
                              "choose another --out")
         state = _setup(config, ctx, model, run)
@@ -216,6 +220,8 @@ def _resume(state: _Trainer) -> None:
     for note in notes:
         say(f"resume: skipping {note}", flush=True)
     if ckpt is None:
+        if run.config_path.is_file():  # a run stopped in its first epoch: the same one, not another's
+            rundir.check_resumable({"fsdp": False, **run.read_config()}, state.stored_config, run.config_path)
         say(f"{run}: no checkpoint to resume from; starting fresh at epoch 1", flush=True)
         return
     # runs written before the fsdp setting existed were not sharded

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -204,6 +205,27 @@ def test_epoch_checkpoints_without_resume_are_not_overwritten(tmp_path, capsys):
     (tmp_path / "run" / "ckpt" / "last.pt").unlink()
     with pytest.raises(ValueError, match="already holds a run; pass --resume"):
         train.train(tiny_config(tmp_path, epochs=1, save_epochs=[1]), model=tiny())
+    capsys.readouterr()
+
+
+def test_a_config_json_train_did_not_write_for_this_run_is_never_overwritten(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    foreign = '{"tool": "another", "notes": "keep me"}'
+    (run / "config.json").write_text(foreign)
+    with pytest.raises(ValueError, match="already holds a run; pass --resume"):
+        train.train(tiny_config(tmp_path, epochs=1), model=tiny())
+    with pytest.raises(ValueError, match=r"resume: .*config.json was written with other settings \(model: None"):
+        train.train(tiny_config(tmp_path, epochs=1, resume=True), model=tiny())
+    assert (run / "config.json").read_text() == foreign
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "config.json"]
+    # a run stopped in its first epoch (config.json only) resumes from the start with its own settings
+    (run / "config.json").unlink()
+    train.train(tiny_config(tmp_path, epochs=1), model=tiny())
+    for name in ("ckpt", "metrics.jsonl", "metrics.csv"):
+        shutil.rmtree(run / name) if name == "ckpt" else (run / name).unlink()
+    results = train.train(tiny_config(tmp_path, epochs=1, resume=True), model=tiny())
+    assert [m["epoch"] for m in results["metrics"]] == [1]
     capsys.readouterr()
 
 
