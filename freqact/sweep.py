@@ -73,7 +73,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from freqact import _validate, codecs, distributed, rundir, train
+from freqact import _validate, checkpoint, codecs, distributed, rundir, train
 from freqact.errors import UsageTypeError
 from freqact.specfile import MAX_SPEC_BYTES, MAX_SPEC_NODES, load_spec, presets  # noqa: F401  (sweep API)
 
@@ -378,17 +378,23 @@ def markdown_table(study: Study, rows: Sequence[dict]) -> str:
 
 
 def write_results(study: Study, rows: Sequence[dict]) -> list[Path]:
-    """Write OUT/results.csv, OUT/results.md and the figure OUT/<name>.png/.pdf; return the paths."""
-    from freqact import plots
+    """Write OUT/results.csv, OUT/results.md and the figure OUT/<name>.png/.pdf; return the paths.
+
+    Each file is written atomically, under the folder's `rundir.output_lock` (one writer).
+
+    Raises:
+        rundir.RunDirBusy: if another process is writing the study's results.
+    """
+    from freqact import checkpoint, plots
     from freqact.analysis import common
 
-    study.out.mkdir(parents=True, exist_ok=True)
-    markdown = study.out / "results.md"
-    markdown.write_text(markdown_table(study, rows), encoding="utf-8")
-    written = [common.write_csv(rows, study.out / "results.csv"), markdown]
-    if any(row["seeds"] for row in rows):
-        written += plots.sweep_figure(rows, study.out / _slug(study.name), title=study.name,
-                                      group_fields=study.group_fields)
+    with rundir.output_lock(study.out):
+        markdown = study.out / "results.md"
+        checkpoint.atomic_write(markdown, markdown_table(study, rows).encode("utf-8"))
+        written = [common.write_csv(rows, study.out / "results.csv"), markdown]
+        if any(row["seeds"] for row in rows):
+            written += plots.sweep_figure(rows, study.out / _slug(study.name), title=study.name,
+                                          group_fields=study.group_fields)
     return written
 
 
@@ -513,8 +519,7 @@ def _run_lane(configs: Sequence[train.RunConfig], device: str | None,
                 message = f"{type(err).__name__}: {err}"
                 if not isinstance(err, rundir.RunDirBusy):  # a busy directory is another's
                     log = Path(config.out) / "error.log"
-                    log.parent.mkdir(parents=True, exist_ok=True)
-                    log.write_text(traceback.format_exc(), encoding="utf-8")
+                    checkpoint.atomic_write(log, traceback.format_exc().encode("utf-8"))
                     message += f" (traceback in {log})"
                 failed.append((config.out, message))
         return failed, (pending[0] if pending else None)

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from freqact import cli, sweep
+from freqact import checkpoint, cli, rundir, sweep
 
 # One optimizer step per epoch of a small MLP on synthetic data: the cheapest real run.
 TINY_BASE = {"model": "mlp", "dataset": "synthetic", "subset": 32, "epochs": 1, "batch_size": 32,
@@ -168,7 +169,7 @@ def _fake_run(run, accs, images_per_s, compression=None, saved=None):
     (run.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_results_table_statistics(tmp_path):
+def test_results_table_statistics(tmp_path, monkeypatch):
     base = {**TINY_BASE, "epochs": 3}
     study = sweep.expand(_spec(base=base, grid={"seed": [0, 1, 2]}), tmp_path)
     rng = np.random.default_rng(0)
@@ -198,8 +199,35 @@ def test_results_table_statistics(tmp_path):
     assert division["compression_ratio"] == pytest.approx(4.5)
     assert division["saved_mib"] == pytest.approx(0.5)
 
+    atomic = []
+    real_write = checkpoint.atomic_write
+    def recorded(path, data):
+        atomic.append(Path(path).name)
+        real_write(path, data)
+
+    from freqact.analysis import common
+    monkeypatch.setattr(checkpoint, "atomic_write", recorded)
+    monkeypatch.setattr(common, "atomic_write", recorded)
+    busy, release = threading.Event(), threading.Event()
+
+    def hold():  # another writer of the study's folder
+        with rundir.output_lock(tmp_path):
+            busy.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert busy.wait(60)
+        with pytest.raises(rundir.RunDirBusy):
+            sweep.write_results(study, [normal, division])
+    finally:
+        release.set()
+        thread.join()
+    assert not (tmp_path / "results.md").exists()
     written = sweep.write_results(study, [normal, division])
     assert {p.name for p in written} == {"results.csv", "results.md", "tiny.png", "tiny.pdf"}
+    assert set(atomic) == {p.name for p in written}  # every file atomically
     markdown = (tmp_path / "results.md").read_text()
     expected = f"{100 * accs[0, :, -1].mean():.2f} ± {100 * accs[0, :, -1].std(ddof=1):.2f}"
     assert expected in markdown and "| 2/3 |" in markdown and "4.5x" in markdown
