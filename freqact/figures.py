@@ -217,7 +217,7 @@ def make_all(
         _validate.positive_int("blocks", block)
     distributed.pick_device(str(device))
     runs = [Path(r) for r in run_dirs]
-    configs = [rundir.RunDir(r).read_config(required=RUN_KEYS) for r in runs]
+    configs = [_run_config(r) for r in runs]
     for run, config in zip(runs[1:], configs[1:]):  # one model on one dataset in every figure
         common.check_one_model((runs[0], configs[0]), (run, config), what="run_dirs")
     labels = _unique_labels([run_label(c) for c in configs], runs)
@@ -286,6 +286,20 @@ def memory_totals(rows: Sequence[dict]) -> list[dict]:
     for total in totals.values():
         total["ratio"] = total["exact_bytes"] / total["saved_bytes"] if total["saved_bytes"] else float("inf")
     return list(totals.values())
+
+
+def _run_config(run: Path) -> dict:
+    """A run's config.json with `RUN_KEYS`, its settings checked as `RunConfig` checks them; a bad
+    value is refused naming the file (not as if the caller had passed it)."""
+    run_dir = rundir.RunDir(run)
+    config = run_dir.read_config(required=RUN_KEYS)
+    if not isinstance(config["model"], str):
+        raise ValueError(f"{run_dir.config_path}: model: expected a model name, got {config['model']!r}")
+    try:
+        train.RunConfig.from_dict(config)
+    except ValueError as err:  # UsageError and UsageTypeError
+        raise ValueError(f"{run_dir.config_path}: {err}") from None
+    return config
 
 
 def _last_checkpoint(run: Path) -> Path:

@@ -231,6 +231,19 @@ def test_cli_figures_checks_every_setting_before_the_first_analysis(monkeypatch,
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("bad, match", [({"batch_size": "16"}, "batch_size: expected an integer >= 1, got '16'"),
+                                        ({"model": 5}, "model: expected a model name, got 5"),
+                                        ({"mode": "division", "block": "x"}, "block: expected an integer")])
+def test_cli_figures_names_the_config_json_holding_a_bad_setting(tmp_path, capsys, bad, match):
+    run = tmp_path / "run dir"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model": "resnet20", "dataset": "synthetic", "mode": "normal",
+                                                 "batch_size": 16, **bad}))
+    assert cli.main(["figures", str(run), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"freqact figures: error: {run / 'config.json'}: {match}") and err.count("\n") == 1
+
+
 def test_make_all_refuses_runs_of_different_models_before_measuring(tmp_path):
     for name, model in (("a", "resnet20"), ("b", "mobilenet_v2")):
         (tmp_path / name).mkdir()
