@@ -385,7 +385,7 @@ def write_results(study: Study, rows: Sequence[dict]) -> list[Path]:
     Raises:
         rundir.RunDirBusy: if another process is writing the study's results.
     """
-    from freqact import checkpoint, plots
+    from freqact import plots
     from freqact.analysis import common
 
     with rundir.output_lock(study.out):
