@@ -312,6 +312,13 @@ def _check_stream_length(name: str, n: int) -> None:
                          f"noise stream numbers them in 32 bits), got maps of {n}")
 
 
+def _check_seed(seed: object) -> None:
+    """Refuse a seed that is not an integer (a bool, a float: ctypes would raise an
+    ArgumentError or take True as 1); any integer is taken modulo 2**64."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed: expected an integer, got {type(seed).__name__}")
+
+
 def _threads() -> int:
     return min(torch.get_num_threads(), 2**31 - 1)
 
@@ -336,12 +343,16 @@ def encode(x: torch.Tensor, geom: Geometry, bits: int, noise: torch.Tensor | Non
         uint8 (N, C, ceil(P * bits / 8)).
     """
     lib = _lib()
-    args = _geometry_args(geom, bits)
+    args = _geometry_args(geom, check_bits(bits))  # bits picks the C code's packing: checked
+    _check_seed(seed)
     maps = (geom.n, geom.c, *geom.spatial)
     for name, t in (("x", x), ("noise", noise)):
-        if t is not None and (tuple(as_maps(t).shape) != maps or t.device.type != "cpu"):
+        if t is not None and (tuple(as_maps(check_tensor(name, t)).shape) != maps
+                              or t.device.type != "cpu"):
             raise ValueError(f"{name}: expected maps {maps} on the CPU, got {tuple(t.shape)} "
                              f"on {t.device}")
+    if geom.maps and not geom.numel:  # as the dispatcher: no min and max of an empty map
+        raise ValueError(f"x: expected maps of at least one element, got maps {maps}")
     xm = as_maps(x).float().contiguous()
     lfc = None if geom.block is None else torch.empty(geom.lfc_shape, dtype=torch.bfloat16)
     lo = torch.empty(geom.stat_shape, dtype=torch.bfloat16)
@@ -382,7 +393,9 @@ def decode(lfc: torch.Tensor | None, lo: torch.Tensor, step: torch.Tensor, codes
             cannot serve.
     """
     lib = _lib()
-    args = _geometry_args(geom, bits)
+    args = _geometry_args(geom, check_bits(bits))  # bits picks the C code's unpacking: checked
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
     cpu = torch.device("cpu")  # the C code reads as many bytes as geom says: checked first
     if lfc is not None or geom.block is not None:
         _check_part("lfc", lfc, torch.bfloat16, list(geom.lfc_shape), cpu)
@@ -575,8 +588,7 @@ def token_encode(x: torch.Tensor, geom: TokenGeometry, bits: int, noise: torch.T
         (*quant_shape[:2], ceil(quant_shape[2] * bits / 8)).
     """
     lib = _lib()
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed: expected an integer, got {type(seed).__name__}")
+    _check_seed(seed)
     grouped = x.dim() == 5 and x.shape[0] * x.shape[1] == geom.panel[0] and (
         x.shape[2:] == geom.panel[1:])
     if x.dtype != torch.float32 or not (grouped or x.shape == geom.panel) or (

@@ -200,6 +200,45 @@ def test_the_backend_functions_check_what_they_pass_to_c():
     assert cpu.decode(lfc, lo, step, codes, geom, 2, torch.float32).shape == (2, 3, 8, 8)
 
 
+@pytest.mark.parametrize("bits", [0, 3, 5, 16, True, 2.0])
+def test_encode_and_decode_check_bits_before_c(bits):
+    # The C code packs 1, 2, 4 or 8 bits (any other value as 8): with the codes sized for bits,
+    # bits 0 wrote and read through NULL, 3 and 5 wrote (encode) or read (decode) past the codes
+    # (ASan: heap-buffer-overflow in pack8 / unpack8), 16 and True gave codes of other bits
+    x = torch.randn(2, 3, 8, 8)
+    for block in (4, None):
+        geom = fmt.geometry(x.shape, block)
+        with pytest.raises((TypeError, ValueError), match="^bits"):
+            cpu.encode(x, geom, bits, None, 0)
+        lfc, lo, step, _ = cpu.encode(x, geom, 2, None, 0)
+        codes = torch.zeros(geom.codes_shape(int(bits)), dtype=torch.uint8)
+        with pytest.raises((TypeError, ValueError), match="^bits"):
+            cpu.decode(lfc, lo, step, codes, geom, bits, torch.float32)
+
+
+def test_encode_and_decode_check_seed_dtype_layout_and_empty_maps():
+    # Refused by name, where they were a ctypes.ArgumentError (seed 1.5), taken as 1 (True), a
+    # TypeError of torch.finfo after the C code ran (dtype int32), an error of `contiguous` (a
+    # sparse x), or quantised maps of no elements (the reference's aminmax refuses them)
+    x = torch.randn(2, 3, 8, 8)
+    geom = fmt.geometry(x.shape, 4)
+    for seed in (1.5, True, None, "1"):
+        with pytest.raises(TypeError, match="^seed: expected an integer"):
+            cpu.encode(x, geom, 2, None, seed)
+    for a, b in zip(cpu.encode(x, geom, 2, None, -1), cpu.encode(x, geom, 2, None, 2**64 - 1)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # taken modulo 2**64
+    for name, args in (("x", (x.to_sparse(), None)), ("noise", (x, torch.rand(x.shape).to_sparse()))):
+        with pytest.raises(TypeError, match=f"^{name}: expected a dense"):
+            cpu.encode(*args[:1], geom, 2, args[1], 0)
+    lfc, lo, step, codes = cpu.encode(x, geom, 2, None, 0)
+    for dtype in (torch.int32, torch.bool, "float32"):
+        with pytest.raises(TypeError, match="^dtype: expected a floating"):
+            cpu.decode(lfc, lo, step, codes, geom, 2, dtype)
+    for shape in ((2, 3, 0, 8), (2, 3, 8, 0)):
+        with pytest.raises(ValueError, match="^x: expected maps of at least one element"):
+            cpu.encode(torch.zeros(shape), fmt.geometry(shape, 4), 2, None, 0)
+
+
 def test_cached_geometry_and_c_arrays_equal_fresh_ones():
     """`format.geometry` is cached for plain int sizes and blocks, `cpu._geometry_args` per
     geometry: the cached values equal freshly computed ones, other values are not cached."""
