@@ -51,6 +51,7 @@ import torch
 from freqact.kernels.format import (
     Geometry,
     _check_part,
+    _geometry,
     as_maps,
     check_bits,
     check_code_bytes,
@@ -323,10 +324,31 @@ def _threads() -> int:
     return min(torch.get_num_threads(), 2**31 - 1)
 
 
+def _consistent(geom: object) -> bool:
+    """Whether geom is a Geometry of int sizes, 1 to 3 spatial dims, whose block extents and
+    counts are those its sizes and block give."""
+    if not isinstance(geom, Geometry) or not isinstance(geom.spatial, tuple):
+        return False
+    shape = (geom.n, geom.c, *geom.spatial)
+    if not 1 <= len(geom.spatial) <= 3 or not all(type(v) is int for v in shape):
+        return False
+    try:
+        return geom == _geometry(shape, geom.block)
+    except (TypeError, ValueError, ZeroDivisionError):
+        return False
+
+
 @functools.lru_cache(maxsize=1024, typed=True)  # one array per map shape (the C code reads it)
 def _geometry_args(geom: Geometry, bits: int):
     """The C geometry array (see the enum in cpu_division.c), every value range-checked; shared
-    between calls (the kernels take it as const; 10 us a call built, 0.3 us cached)."""
+    between calls (the kernels take it as const; 10 us a call built, 0.3 us cached).
+
+    geom must be the geometry of its own sizes and block (`format.geometry`): the C code trusts
+    its block extents and counts (a zero extent divided by zero, counts that do not cover the map
+    left elements out of every block or made blocks past it)."""
+    if not _consistent(geom):
+        raise ValueError(f"geom: expected format.geometry((n, c, *spatial), block) of its own "
+                         f"sizes and block, got {geom}")
     values = (geom.maps, *geom.dhw, *geom.block_dhw, *geom.counts_dhw, geom.code_bytes(bits))
     # The largest index the C code forms: maps * numel (and its code bytes) must fit too.
     _c_int64("x.numel()", geom.maps * max(geom.numel, geom.code_bytes(bits)))

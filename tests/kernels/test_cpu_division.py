@@ -239,6 +239,23 @@ def test_encode_and_decode_check_seed_dtype_layout_and_empty_maps():
             cpu.encode(torch.zeros(shape), fmt.geometry(shape, 4), 2, None, 0)
 
 
+def test_geometries_not_of_their_own_sizes_and_block_are_refused_before_c():
+    # The C code trusts geom's block extents and counts: a zero extent divided by zero (SIGFPE
+    # in make_geometry), counts or extents that do not tile the map gave other bytes
+    x = torch.randn(2, 3, 8, 8)
+    G = fmt.Geometry
+    for geom in [G(2, 3, (8, 8), (0, 4), (2, 2), 4), G(2, 3, (8, 8), (4, 4), (1, 1), 4),
+                 G(2, 3, (8, 8), (4, 4), (3, 3), 4), G(2, 3, (8, 8), (16, 16), (2, 2), 4),
+                 G(2, 3, (8, 8), (2, 2), (4, 4), 4), G(2, 3, (8, 8), (4, 4), (2, 2), None)]:
+        with pytest.raises(ValueError, match="^geom: expected format.geometry"):
+            cpu.encode(x, geom, 2, None, 0)
+        parts = [torch.zeros(shape, dtype=dtype) for shape, dtype in (
+            (geom.lfc_shape, torch.bfloat16), (geom.stat_shape, torch.bfloat16),
+            (geom.stat_shape, torch.bfloat16), (geom.codes_shape(2), torch.uint8))]
+        with pytest.raises(ValueError, match="^geom: expected format.geometry"):
+            cpu.decode(*parts, geom, 2, torch.float32)
+
+
 def test_cached_geometry_and_c_arrays_equal_fresh_ones():
     """`format.geometry` is cached for plain int sizes and blocks, `cpu._geometry_args` per
     geometry: the cached values equal freshly computed ones, other values are not cached."""
