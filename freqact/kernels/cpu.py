@@ -36,6 +36,7 @@ import ctypes
 import functools
 import hashlib
 import math
+import numbers
 import os
 import platform
 import shlex
@@ -313,6 +314,22 @@ def _check_stream_length(name: str, n: int) -> None:
                          f"noise stream numbers them in 32 bits), got maps of {n}")
 
 
+def _on_cpu(name: str, t: torch.Tensor) -> torch.Tensor:
+    """t if it is on the CPU (the C code dereferences its data pointer: a meta tensor's is NULL,
+    a CUDA tensor's is device memory)."""
+    if not t.is_cpu:
+        raise ValueError(f"{name}: expected a CPU tensor, got a tensor on {t.device}")
+    return t
+
+
+def _real(name: str, value: object) -> float:
+    """value as a float if it is a real number (not a bool; ctypes refuses others with an
+    ArgumentError that names no argument)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a real number, got {value!r}")
+    return float(value)
+
+
 def _check_seed(seed: object) -> None:
     """Refuse a seed that is not an integer (a bool, a float: ctypes would raise an
     ArgumentError or take True as 1); any integer is taken modulo 2**64."""
@@ -446,7 +463,7 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     """As `reference.pack_codes`: uint8 codes (..., P) -> uint8 (..., ceil(P * bits / 8))."""
     lib = _lib()
     bits = check_bits(bits)
-    if check_tensor("q", q, torch.uint8).dim() == 0:
+    if _on_cpu("q", check_tensor("q", q, torch.uint8)).dim() == 0:
         raise ValueError("q: expected a tensor with at least one dim, got a scalar")
     q = q.contiguous()
     count = q.shape[-1]
@@ -461,7 +478,7 @@ def unpack_codes(codes: torch.Tensor, count: int, bits: int) -> torch.Tensor:
     """As `reference.unpack_codes`: uint8 (..., ceil(count * bits / 8)) -> uint8 (..., count)."""
     lib = _lib()
     bits, count = check_bits(bits), check_count("count", count)
-    check_code_bytes(check_tensor("codes", codes, torch.uint8), count, bits)
+    check_code_bytes(_on_cpu("codes", check_tensor("codes", codes, torch.uint8)), count, bits)
     codes = codes.contiguous()
     out = torch.empty((*codes.shape[:-1], count), dtype=torch.uint8)
     rows = codes.numel() // max(codes.shape[-1], 1)
@@ -473,7 +490,10 @@ def unpack_codes(codes: torch.Tensor, count: int, bits: int) -> torch.Tensor:
 def pack_mask(x: torch.Tensor, lower: float, upper: float | None = None) -> torch.Tensor:
     """As `reference.pack_mask` for a float32 CPU tensor: uint8 (ceil(numel / 8),)."""
     lib = _lib()
-    x = x.contiguous()
+    # the C code reads 4 bytes per element: a float16 or int8 x was read past its end (ASan)
+    x = _on_cpu("x", check_tensor("x", x, torch.float32)).contiguous()
+    lower = _real("lower", lower)
+    upper = None if upper is None else _real("upper", upper)
     out = torch.empty(-(-x.numel() // 8), dtype=torch.uint8)
     lib.freqact_pack_mask(_c_int64("x.numel()", x.numel()), x.data_ptr(), lower,
                           upper is not None, 0.0 if upper is None else upper, out.data_ptr(),
@@ -486,7 +506,11 @@ def unpack_mask(packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype, off
     """As `reference.unpack_mask` for dtype float32 (the only one the dispatch sends here): a
     float32 CPU tensor of `shape`."""
     lib = _lib()
-    check_mask_bytes(check_tensor("packed", packed, torch.uint8), shape)
+    if dtype != torch.float32:  # the C code writes float32 values
+        raise ValueError(f"dtype: expected torch.float32 (the C kernel's), got {dtype!r}")
+    shape = torch.Size([check_count("shape", s) for s in shape])
+    check_mask_bytes(_on_cpu("packed", check_tensor("packed", packed, torch.uint8)), shape)
+    off, on = _real("off", off), _real("on", on)
     packed = packed.contiguous()
     out = torch.empty(shape, dtype=torch.float32)
     lib.freqact_unpack_mask(_c_int64("numel", out.numel()), packed.data_ptr(), off, on,

@@ -256,6 +256,38 @@ def test_geometries_not_of_their_own_sizes_and_block_are_refused_before_c():
             cpu.decode(*parts, geom, 2, torch.float32)
 
 
+def test_the_packing_functions_check_device_dtype_and_numbers():
+    # A meta tensor's NULL data pointer was dereferenced (SEGV in pack_fixed, unpack_fixed,
+    # unpack8); pack_mask read a float16 or int8 x as float32, past its end (ASan:
+    # heap-buffer-overflow in mask_g), a float64 x as other values; unpack_mask gave float32 for
+    # any dtype; a str bound was a ctypes.ArgumentError
+    u8, f32 = torch.uint8, torch.float32
+    q = torch.randint(0, 4, (3, 37), dtype=u8)
+    packed, x = K.pack_codes(q, 2, backend="torch"), torch.randn(1001)
+    mask = K.pack_mask(x, 0.0, backend="torch")
+    meta = torch.device("meta")
+    for name, call in (("q", lambda: cpu.pack_codes(q.to(meta), 2)),
+                       ("codes", lambda: cpu.unpack_codes(packed.to(meta), 37, 2)),
+                       ("x", lambda: cpu.pack_mask(x.to(meta), 0.0)),
+                       ("packed", lambda: cpu.unpack_mask(mask.to(meta), x.shape, f32, 0.0, 1.0))):
+        with pytest.raises(ValueError, match=f"^{name}: expected a CPU tensor"):
+            call()
+    for dtype in (torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.bool):
+        with pytest.raises(TypeError, match="^x: expected a torch.float32 tensor"):
+            cpu.pack_mask(x.to(dtype), 0.0)
+    for dtype in (torch.bfloat16, torch.float64):
+        with pytest.raises(ValueError, match="^dtype: expected torch.float32"):
+            cpu.unpack_mask(mask, x.shape, dtype, 0.0, 1.0)
+    for name, call in (("lower", lambda: cpu.pack_mask(x, "0")),
+                       ("upper", lambda: cpu.pack_mask(x, 0.0, torch.tensor(1.0))),
+                       ("on", lambda: cpu.unpack_mask(mask, x.shape, f32, 0.0, "1"))):
+        with pytest.raises(TypeError, match=f"^{name}: expected a real number"):
+            call()
+    with pytest.raises(ValueError, match="^shape"):
+        cpu.unpack_mask(mask[:1], (-1, -8), f32, 0.0, 1.0)
+    assert torch.equal(cpu.pack_mask(x, 0, 1), K.pack_mask(x, 0.0, 1.0, backend="torch"))
+
+
 def test_cached_geometry_and_c_arrays_equal_fresh_ones():
     """`format.geometry` is cached for plain int sizes and blocks, `cpu._geometry_args` per
     geometry: the cached values equal freshly computed ones, other values are not cached."""
