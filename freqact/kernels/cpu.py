@@ -540,6 +540,19 @@ class TokenGeometry:
     lfc_strides: tuple[int, int, int]
     chan: bool
 
+    def __post_init__(self) -> None:
+        """Refuse fields of another structure: the C code reads exactly T_LEN values (a fourth
+        extent or a missing stride shifted every value after it, read past the array or divided
+        by zero), and a float that equals an int would find that int's cached C array."""
+        for name, length in (("panel", 4), ("extents", 3), ("lfc_shape", 0), ("lfc_strides", 3)):
+            value = getattr(self, name)
+            if (not isinstance(value, tuple) or len(value) != (length or max(len(value), 1))
+                    or not all(type(v) is int for v in value)):
+                raise TypeError(f"geom.{name}: expected a tuple of {length or 'one or more'} "
+                                f"ints, got {value!r}")
+        if not isinstance(self.chan, bool):
+            raise TypeError(f"geom.chan: expected a bool, got {self.chan!r}")
+
     @property
     def counts(self) -> tuple[int, int, int]:
         return tuple(-(-s // b) for s, b in zip(self.panel[1:], self.extents))

@@ -247,10 +247,25 @@ def test_geometries_that_do_not_map_blocks_one_to_one_onto_the_lfc_are_refused()
     assert len(cpu.token_encode(x, good, 2, None, 1)) == 4
     for bad in (dataclasses.replace(good, lfc_shape=(4, 1), lfc_strides=(0, 0, 0)),  # too short
                 dataclasses.replace(good, lfc_strides=(0, 0, 0)),  # all blocks on one entry
-                dataclasses.replace(good, lfc_shape=(4, 16), lfc_strides=(0, 0, 2)),  # gaps
-                dataclasses.replace(good, chan=2)):
+                dataclasses.replace(good, lfc_shape=(4, 16), lfc_strides=(0, 0, 2))):  # gaps
         with pytest.raises(ValueError, match="^geom: inconsistent"):
             cpu.token_encode(x, bad, 2, None, 1)
+
+
+def test_token_geometries_of_another_structure_are_refused_when_made():
+    # The C code reads exactly T_LEN values: a fourth extent or lfc stride shifted every value
+    # after it (ASan: heap-buffer-overflow in gather_panel, and in the decode's panel stores), a
+    # missing stride was read past the array (SIGFPE in sequence_offset); a float equal to an
+    # int found that int's cached C array; chan == 2 was refused only at the first call
+    good = cpu.TokenGeometry((2, 1, 9, 16), (1, 1, 8), (2, 9, 2), (0, 2, 1), False)
+    for name, bad in (("extents", (1, 1, 8, 1)), ("extents", (1, 1)), ("lfc_strides", (0, 2)),
+                      ("lfc_strides", (0, 2, 1, 0)), ("panel", (2, 1, 9)), ("panel", [2, 1, 9, 16]),
+                      ("panel", (2, 1, 9.0, 16)), ("lfc_shape", ()), ("extents", (1, 1, True)),
+                      ("chan", 2), ("chan", 1)):
+        with pytest.raises(TypeError, match=f"^geom.{name}: expected a"):
+            dataclasses.replace(good, **{name: bad})
+    x, out = torch.randn(good.panel), torch.empty(2, 9, 16)
+    cpu.token_decode(*cpu.token_encode(x, good, 2, None, 1), good, 2, out)
 
 
 def test_a_class_token_part_of_another_shape_is_refused():
