@@ -330,6 +330,42 @@ def _real(name: str, value: object) -> float:
     return float(value)
 
 
+def _for_c(t: torch.Tensor) -> torch.Tensor:
+    """t, contiguous, as the C code may read it through its data pointer: its negative bit
+    resolved (a view with the bit, such as `z.conj().imag`, stores its values' negation, and
+    `contiguous` keeps the bit of a contiguous one)."""
+    return (t.resolve_neg() if t.is_neg() else t).contiguous()
+
+
+def _strided_for_c(name: str, t: torch.Tensor) -> torch.Tensor:
+    """t as the C code reads or writes it in place through its strides: its negative bit
+    resolved, and every element it names within its storage (a view whose storage was resized
+    after it was made was read or written past the storage's end; torch's own kernels do not
+    check this, so it is checked where freqact hands C the strides)."""
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.numel():
+        reach = t.storage_offset() + (t.numel() if t.is_contiguous() else 1 + sum(
+            (size - 1) * stride for size, stride in zip(t.shape, t.stride())))
+        if reach * t.element_size() > t.untyped_storage().nbytes():
+            raise ValueError(f"{name}: its sizes and strides reach {reach * t.element_size()} "
+                             f"bytes into a storage of {t.untyped_storage().nbytes()}")
+    return t
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes [first, end) that t's elements occupy (empty for no elements)."""
+    if not t.numel():
+        return (0, 0)
+    first = t.data_ptr()
+    return first, first + t.element_size() * (1 + sum(
+        (size - 1) * stride for size, stride in zip(t.shape, t.stride())))
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
 def _check_seed(seed: object) -> None:
     """Refuse a seed that is not an integer (a bool, a float: ctypes would raise an
     ArgumentError or take True as 1); any integer is taken modulo 2**64."""
@@ -392,13 +428,13 @@ def encode(x: torch.Tensor, geom: Geometry, bits: int, noise: torch.Tensor | Non
                              f"on {t.device}")
     if geom.maps and not geom.numel:  # as the dispatcher: no min and max of an empty map
         raise ValueError(f"x: expected maps of at least one element, got maps {maps}")
-    xm = as_maps(x).float().contiguous()
+    xm = _for_c(as_maps(x).float())
     lfc = None if geom.block is None else torch.empty(geom.lfc_shape, dtype=torch.bfloat16)
     lo = torch.empty(geom.stat_shape, dtype=torch.bfloat16)
     step = torch.empty(geom.stat_shape, dtype=torch.bfloat16)
     codes = torch.empty(geom.codes_shape(bits), dtype=torch.uint8)
     if noise is not None:
-        noise = as_maps(noise).float().contiguous()
+        noise = _for_c(as_maps(noise).float())
     status = lib.freqact_division_encode(
         args, bits, xm.data_ptr(), None if noise is None else noise.data_ptr(), seed % 2**64,
         None if lfc is None else lfc.data_ptr(), lo.data_ptr(), step.data_ptr(), codes.data_ptr(),
@@ -442,15 +478,15 @@ def decode(lfc: torch.Tensor | None, lo: torch.Tensor, step: torch.Tensor, codes
         _check_part(name, t, torch.bfloat16, list(geom.stat_shape), cpu)
     _check_part("codes", codes, torch.uint8, list(geom.codes_shape(bits)), cpu)
     out = torch.empty([geom.n, geom.c, *geom.spatial], dtype=torch.float32)
-    tensors = [t.contiguous() for t in (lo, step, codes)]
-    lfc = None if lfc is None else lfc.contiguous()
+    tensors = [_for_c(t) for t in (lo, step, codes)]
+    lfc = None if lfc is None else _for_c(lfc)
     tiny = 0.0
     if positive is not None:
         _check_part("positive", positive, torch.uint8, [-(-out.numel() // 8)],
                     torch.device("cpu"))
         if dtype not in POSITIVE_DTYPES:
             raise ValueError(f"positive: a mask needs a dtype in {POSITIVE_DTYPES}, got {dtype}")
-        positive, tiny = positive.contiguous(), torch.finfo(dtype).tiny
+        positive, tiny = _for_c(positive), torch.finfo(dtype).tiny
     status = lib.freqact_division_decode(
         args, bits, None if lfc is None else lfc.data_ptr(), *(t.data_ptr() for t in tensors),
         None if positive is None else positive.data_ptr(), tiny, out.data_ptr(), _threads())
@@ -465,7 +501,7 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     bits = check_bits(bits)
     if _on_cpu("q", check_tensor("q", q, torch.uint8)).dim() == 0:
         raise ValueError("q: expected a tensor with at least one dim, got a scalar")
-    q = q.contiguous()
+    q = _for_c(q)
     count = q.shape[-1]
     out = torch.empty((*q.shape[:-1], -(-count * bits // 8)), dtype=torch.uint8)
     rows = q.numel() // max(count, 1)
@@ -479,7 +515,7 @@ def unpack_codes(codes: torch.Tensor, count: int, bits: int) -> torch.Tensor:
     lib = _lib()
     bits, count = check_bits(bits), check_count("count", count)
     check_code_bytes(_on_cpu("codes", check_tensor("codes", codes, torch.uint8)), count, bits)
-    codes = codes.contiguous()
+    codes = _for_c(codes)
     out = torch.empty((*codes.shape[:-1], count), dtype=torch.uint8)
     rows = codes.numel() // max(codes.shape[-1], 1)
     lib.freqact_unpack_codes(_c_int64("rows", rows), _c_int64("count", count), bits,
@@ -491,7 +527,7 @@ def pack_mask(x: torch.Tensor, lower: float, upper: float | None = None) -> torc
     """As `reference.pack_mask` for a float32 CPU tensor: uint8 (ceil(numel / 8),)."""
     lib = _lib()
     # the C code reads 4 bytes per element: a float16 or int8 x was read past its end (ASan)
-    x = _on_cpu("x", check_tensor("x", x, torch.float32)).contiguous()
+    x = _for_c(_on_cpu("x", check_tensor("x", x, torch.float32)))
     lower = _real("lower", lower)
     upper = None if upper is None else _real("upper", upper)
     out = torch.empty(-(-x.numel() // 8), dtype=torch.uint8)
@@ -511,7 +547,7 @@ def unpack_mask(packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype, off
     shape = torch.Size([check_count("shape", s) for s in shape])
     check_mask_bytes(_on_cpu("packed", check_tensor("packed", packed, torch.uint8)), shape)
     off, on = _real("off", off), _real("on", on)
-    packed = packed.contiguous()
+    packed = _for_c(packed)
     out = torch.empty(shape, dtype=torch.float32)
     lib.freqact_unpack_mask(_c_int64("numel", out.numel()), packed.data_ptr(), off, on,
                             out.data_ptr(), _threads())
@@ -651,13 +687,15 @@ def token_encode(x: torch.Tensor, geom: TokenGeometry, bits: int, noise: torch.T
     grouped = x.dim() == 5 and x.shape[0] * x.shape[1] == geom.panel[0] and (
         x.shape[2:] == geom.panel[1:])
     if x.dtype != torch.float32 or not (grouped or x.shape == geom.panel) or (
-            x.device.type != "cpu"):
+            x.device.type != "cpu" or x.layout != torch.strided):
         raise ValueError(f"x: expected float32 of shape {geom.panel} (or (A, B, *{geom.panel[1:]}"
                          f") with A * B = {geom.panel[0]}) on the CPU, got {x.dtype} "
                          f"{tuple(x.shape)} on {x.device}")
-    if noise is not None and (noise.shape != geom.quant_shape or noise.device.type != "cpu"):
-        raise ValueError(f"noise: expected shape {geom.quant_shape} on the CPU, got "
-                         f"{tuple(noise.shape)} on {noise.device}")
+    if noise is not None and (noise.shape != geom.quant_shape or noise.device.type != "cpu"
+                              or noise.layout != torch.strided):
+        raise ValueError(f"noise: expected shape {geom.quant_shape}, strided, on the CPU, got "
+                         f"{tuple(noise.shape)} {noise.layout} on {noise.device}")
+    x = _strided_for_c("x", x)  # read in place, through its strides
     strides = x.stride()
     args = _token_args(geom, bits, (strides[0], x.shape[1], *strides[1:]) if grouped
                        else (strides[0], 1, 0, *strides[1:]))
@@ -665,7 +703,7 @@ def token_encode(x: torch.Tensor, geom: TokenGeometry, bits: int, noise: torch.T
     lfc, lo, step, codes = (torch.empty(*shape, dtype=dtype)
                             for dtype, shape in _token_parts(geom, bits))
     if noise is not None:
-        noise = noise.float().contiguous()
+        noise = _for_c(noise.float())
     status = lib.freqact_token_encode(
         args, bits, x.data_ptr(), None if noise is None else noise.data_ptr(), seed % 2**64,
         lfc.data_ptr(), lo.data_ptr(), step.data_ptr(), codes.data_ptr(), _threads())
@@ -698,11 +736,20 @@ def token_decode(lfc: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes:
     m, h, w, f = geom.panel
     if (out.dtype != torch.float32 or out.dim() != 3 or out.shape[0] != m or out.shape[1] < h * w
             or out.shape[2] != f or out.stride()[1:] != (f, 1) or out.device.type != "cpu"
-            or (m > 1 and out.stride(0) < h * w * f)):  # overlapping panels would race
+            or (m > 1 and out.stride(0) < h * w * f)  # overlapping panels would race
+            or out.is_neg()):  # the C code writes the values, not their negation
         raise ValueError(f"out: expected float32 (M, >= {h * w}, {f}) disjoint CPU panels, got "
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
     args = _token_args(geom, bits, out_stride=out.stride(0))
-    parts = [t.contiguous() for t in parts]
+    _strided_for_c("out", out)
+    parts = [_for_c(t) for t in parts]
+    storage = out.untyped_storage().data_ptr()
+    for name, t in zip(("lfc", "lo", "step", "codes"), parts):
+        # a part read while out is written gives other values (the bytes only when a part
+        # shares out's storage: 0.15 us a part, not 1.5)
+        if t.untyped_storage().data_ptr() == storage and _overlap(_span(t), _span(out)):
+            raise ValueError(f"out: expected memory apart from the parts', got memory that "
+                             f"overlaps packed.{name}'s")
     status = lib.freqact_token_decode(args, bits, *(t.data_ptr() for t in parts), out.data_ptr(),
                                       _threads())
     if status != 0:
@@ -727,7 +774,7 @@ def token_flat(x: torch.Tensor, step: torch.Tensor) -> bool:
     _check_part("step", step, torch.bfloat16, list(x.shape[:2]), torch.device("cpu"))
     if x.numel() == 0:
         return False
-    step = step.contiguous()
+    x, step = _strided_for_c("x", x), _for_c(step)
     return bool(_lib().freqact_token_flat(_flat_args(tuple(x.shape), x.stride()), x.data_ptr(),
                                           step.data_ptr(), _threads()))
 

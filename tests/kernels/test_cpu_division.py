@@ -288,6 +288,21 @@ def test_the_packing_functions_check_device_dtype_and_numbers():
     assert torch.equal(cpu.pack_mask(x, 0, 1), K.pack_mask(x, 0.0, 1.0, backend="torch"))
 
 
+def test_views_with_the_negative_bit_are_read_as_their_values():
+    # Each was read as its stored negation (a contiguous one keeps the bit through .contiguous())
+    x = dyadic((2, 3, 8, 8), torch.float32, torch.Generator().manual_seed(3))
+    noise = torch.rand(x.shape)
+    geom = fmt.geometry(x.shape, 4)
+    want = cpu.encode(-x, geom, 2, noise, 0)
+    lfc, lo, step, codes = cpu.encode(torch._neg_view(x), geom, 2, noise, 0)
+    for a, b in zip((lfc, lo, step, codes), want):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    out = cpu.decode(lfc, lo, step, codes, geom, 2, torch.float32)
+    assert torch.equal(cpu.decode(lfc, torch._neg_view(-lo), step, codes, geom, 2, torch.float32),
+                       out)
+    assert torch.equal(cpu.pack_mask(torch._neg_view(x), 0.0), cpu.pack_mask(-x, 0.0))
+
+
 def test_cached_geometry_and_c_arrays_equal_fresh_ones():
     """`format.geometry` is cached for plain int sizes and blocks, `cpu._geometry_args` per
     geometry: the cached values equal freshly computed ones, other values are not cached."""

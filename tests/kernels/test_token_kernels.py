@@ -268,6 +268,51 @@ def test_token_geometries_of_another_structure_are_refused_when_made():
     cpu.token_decode(*cpu.token_encode(x, good, 2, None, 1), good, 2, out)
 
 
+def test_negative_views_overlapping_outputs_and_shrunk_storages():
+    # The C code reads and writes memory: a view with the negative bit (z.conj().imag) was read
+    # as its stored negation, an out sharing memory with a part was written while that part was
+    # read (other values), and a view read or written in place whose storage was resized
+    # afterwards was read or written past the storage's end (ASan: heap-buffer-overflow in
+    # gather_panel, token_range and the decode's stores)
+    gen = torch.Generator().manual_seed(3)
+    x = dyadic((2, 9, 16), torch.float32, gen)
+    _, layout = _pair("feat", "tok")
+    geom = layout._geometry(tuple(x.shape)).geom
+    noise = torch.rand(geom.quant_shape, generator=gen)
+    want = cpu.token_encode((-x).view(geom.panel), geom, 2, noise, 0)
+    z = torch.complex(torch.zeros(geom.panel), x.view(geom.panel))
+    for got in (cpu.token_encode(z.conj().imag, geom, 2, noise, 0),
+                cpu.token_encode(torch._neg_view(x.view(geom.panel)), geom, 2, noise, 0),
+                cpu.token_encode(-x.view(geom.panel), geom, 2, torch._neg_view(-noise), 0)):
+        for a, b in zip(got, want):
+            assert torch.equal(bytes_of(a), bytes_of(b))
+    parts = cpu.token_encode(x.view(geom.panel), geom, 2, noise, 0)
+    out = torch.empty(2, 9, 16)
+    cpu.token_decode(*parts, geom, 2, out)
+    got = torch.empty(2, 9, 16)
+    cpu.token_decode(parts[0], torch._neg_view(-parts[1]), *parts[2:], geom, 2, got)
+    assert torch.equal(got, out)
+    with pytest.raises(ValueError, match="^out: expected float32"):
+        cpu.token_decode(*parts, geom, 2, torch._neg_view(torch.empty(2, 9, 16)))
+    shared = torch.empty(2, 9, 16)
+    lo = shared.view(-1)[:parts[1].numel() // 2].view(torch.bfloat16).view(parts[1].shape)
+    lo.copy_(parts[1])
+    with pytest.raises(ValueError, match="^out: expected memory apart from the parts'"):
+        cpu.token_decode(parts[0], lo, *parts[2:], geom, 2, shared)
+
+    def shrunk(t):
+        view = t.clone()[:]
+        view.untyped_storage().resize_(4)
+        return view
+
+    step = torch.rand(2, 9, generator=gen).bfloat16()
+    for name, call in (("x", lambda: cpu.token_encode(shrunk(x.view(geom.panel)), geom, 2, noise, 0)),
+                       ("out", lambda: cpu.token_decode(*parts, geom, 2, shrunk(out))),
+                       ("x", lambda: cpu.token_flat(shrunk(x), step))):
+        with pytest.raises(ValueError, match=f"^{name}: its sizes and strides reach"):
+            call()
+
+
 def test_a_class_token_part_of_another_shape_is_refused():
     layout = _pair("grid64", "chan")[1]
     x = torch.randn(3, 1 + 4 * 4, 16)
