@@ -183,8 +183,9 @@ def _geometry(shape: torch.Size | tuple[int, ...], block: int | None) -> Geometr
 
 
 def _extents(spatial: tuple[int, ...], block: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(block extent, block count) per spatial dim: B_d = min(B, S_d), nb_d = ceil(S_d / B_d)."""
-    sizes = tuple(s if block is None else max(1, min(block, s)) for s in spatial)
+    """(block extent, block count) per spatial dim: B_d = min(B, S_d), nb_d = ceil(S_d / B_d);
+    an empty dim has extent 1 and no blocks (with or without a block size)."""
+    sizes = tuple(max(1, s if block is None else min(block, s)) for s in spatial)
     return sizes, tuple(-(-s // b) for s, b in zip(spatial, sizes))
 
 

@@ -56,6 +56,17 @@ def test_buffers_are_checked_before_any_backend_runs(backend):
             K.division_decode(dataclasses.replace(packed, **{field: bad}), backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_maps_of_no_elements_are_refused_by_name_without_a_block_too(backend):
+    # quantize_encode's geometry divided by the empty dim's extent (ZeroDivisionError) before
+    # its check could name x
+    for shape in ((2, 3, 0, 8), (2, 3, 8, 0), (2, 0)):
+        for encode in (lambda x: K.quantize_encode(x, backend=backend),
+                       lambda x: K.division_encode(x, 4, backend=backend)):
+            with pytest.raises(ValueError, match="^x: expected maps of at least one element"):
+                encode(torch.zeros(shape))
+
+
 @needs_cc
 def test_huge_block_is_one_block_per_map_not_a_wrapped_int():
     x = torch.randn(2, 3, 5, 6)
