@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -299,6 +300,18 @@ def test_negative_views_overlapping_outputs_and_shrunk_storages():
     lo.copy_(parts[1])
     with pytest.raises(ValueError, match="^out: expected memory apart from the parts'"):
         cpu.token_decode(parts[0], lo, *parts[2:], geom, 2, shared)
+
+    # two storages over one memory (from_numpy of two views of one array): their data pointers
+    # differ, their bytes overlap (was decoded into while read: other values)
+    memory = np.zeros(out.numel() + parts[3].numel(), dtype=np.float32)
+    aliased_out = torch.from_numpy(memory[:out.numel()]).view(out.shape)
+    codes = torch.from_numpy(memory.view(np.uint8)[4:4 + parts[3].numel()]).view(parts[3].shape)
+    codes.copy_(parts[3])
+    assert codes.untyped_storage().data_ptr() != aliased_out.untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="^out: expected memory apart from the parts'"):
+        cpu.token_decode(*parts[:3], codes, geom, 2, aliased_out)
+    cpu.token_decode(*parts, geom, 2, aliased_out)  # parts of their own memory: decoded
+    assert torch.equal(aliased_out, out)
 
     def shrunk(t):
         view = t.clone()[:]
