@@ -709,6 +709,21 @@ def test_a_forward_past_the_recompile_limit_warns_that_it_kept_its_saves(fresh_d
     assert compressed > 4 and meter.ratio == 1.0
 
 
+def test_a_no_grad_forward_after_a_training_step_does_not_warn(fresh_dynamo):
+    # the loss's eager saves (cross_entropy's, between forwards) were counted as the next
+    # forward's: a no_grad (validation) forward, which runs no graph with history, warned
+    torch.manual_seed(0)
+    tokens = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    compiled = torch.compile(tokens)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with freqact.compress(compiled, "division"):
+            out = compiled(torch.randn(4, 64, 32))
+            nn.functional.cross_entropy(out.reshape(-1, 32), torch.randint(0, 32, (256,))).backward()
+            with torch.no_grad():
+                compiled(torch.randn(4, 64, 32))
+
+
 def test_frozen_weights_saved_where_the_model_runs_eagerly_are_not_charged():
     @torch._dynamo.disable
     def frozen_linear(h, weight):

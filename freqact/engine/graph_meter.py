@@ -112,7 +112,7 @@ class Charger:
         # dropped inside the block frees its graph and packed forms at once, as without the meter)
         self._charged: weakref.WeakSet = weakref.WeakSet()
         self._kept: dict[int, weakref.ref] = {}  # storage ptr -> storage, eager saves charged
-        self._eager_saves = 0  # saves the hooks saw on real tensors since the last forward's end
+        self._eager_saves = 0  # saves the hooks saw on real tensors since this forward began
         self._warned = False
 
     def __call__(self, output) -> None:
@@ -194,15 +194,20 @@ def attach(model: nn.Module, charger: Charger):
     forward hooks run eagerly, outside the graph), and make it this thread's charger of eager
     saves (`charge_eager`), until the returned handle is removed."""
     _CURRENT.charger = charger
-    return _Detach(model.register_forward_hook(lambda module, args, output: charger(output)))
+    # the count of eager saves starts with each forward: saves made between forwards (a loss, a
+    # metric computed under the block) are not the next forward's (a no_grad forward after a
+    # training step warned, with the loss's saves as its own)
+    start = model.register_forward_pre_hook(lambda module, args: setattr(charger, "_eager_saves", 0))
+    return _Detach(model.register_forward_hook(lambda module, args, output: charger(output)), start)
 
 
 class _Detach:
-    """The handle of `attach`: removes the forward hook and forgets this thread's charger."""
+    """The handle of `attach`: removes the forward hooks and forgets this thread's charger."""
 
-    def __init__(self, hook) -> None:
-        self.hook = hook
+    def __init__(self, *hooks) -> None:
+        self.hooks = hooks
 
     def remove(self) -> None:
-        self.hook.remove()
+        for hook in self.hooks:
+            hook.remove()
         _CURRENT.charger = None
