@@ -405,11 +405,22 @@ def check_resumable(saved: dict, current: dict, where: str | os.PathLike) -> Non
         ValueError: naming `where` and every differing field (saved -> current).
     """
     saved = {**ADDED_SETTINGS, **saved}
+    # compared as JSON holds them: config.json turns a tuple (model_options={"hidden": (64,)}
+    # from the Python API) into a list, which is the same setting
     diffs = [f"{key}: {saved.get(key)!r} -> {value!r}" for key, value in current.items()
-             if key not in RESUMABLE_CHANGES and saved.get(key) != value]
+             if key not in RESUMABLE_CHANGES and _as_json(saved.get(key)) != _as_json(value)]
     if diffs:
         raise ValueError(f"resume: {where} was written with other settings ({'; '.join(diffs)}); "
                          "delete it or choose another --out")
+
+
+def _as_json(value: object) -> object:
+    """value with its tuples as lists, at any depth (as it reads back from JSON)."""
+    if isinstance(value, (list, tuple)):
+        return [_as_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _as_json(v) for k, v in value.items()}
+    return value
 
 
 def _read_text(path: Path, limit: int) -> str:

@@ -90,6 +90,18 @@ def test_resumable_lists_every_differing_field(tmp_path):
         rundir.check_resumable(saved, {**saved, "lr": 0.5, "bits": 4}, tmp_path)
 
 
+def test_a_config_json_matches_the_run_whose_settings_held_tuples(tmp_path):
+    # config.json holds a Python-API tuple (model_options={"hidden": (64, 32)}) as a list: a
+    # resume from config.json alone (or a sweep's state check) refused the run as another's
+    config = train.RunConfig(model="mlp", out=str(tmp_path), model_options={"hidden": (64, 32)})
+    run = RunDir(tmp_path)
+    run.write_config(config.to_dict())
+    rundir.check_resumable(run.read_config(), config.to_dict(), run.config_path)
+    with pytest.raises(ValueError, match=r"model_options: \{'hidden': \[64, 32\]\} -> \{'hidden': \(64, 16\)"):
+        rundir.check_resumable(run.read_config(), {**config.to_dict(), "model_options": {"hidden": (64, 16)}},
+                               run.config_path)
+
+
 def test_empty_path_is_refused():
     with pytest.raises(ValueError, match="out: expected a run directory path, got ''"):
         RunDir("")
