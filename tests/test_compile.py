@@ -724,6 +724,22 @@ def test_a_no_grad_forward_after_a_training_step_does_not_warn(fresh_dynamo):
                 compiled(torch.randn(4, 64, 32))
 
 
+@pytest.mark.parametrize(("shape", "route"), [((2, 8, 2, 1), "kept"), ((2, 8, 4, 4), "division")])
+def test_compiled_batchnorm_over_few_values_per_channel_is_kept(shape, route):
+    # the eager rule (routes.MIN_BATCH_VALUES): a BatchNorm input with fewer than 8 values per
+    # channel is kept; the graph rule coded it (4 values per channel here: 2 x 2 x 1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 2048, 1), nn.BatchNorm2d(2048), nn.ReLU(), nn.Conv2d(2048, 4, 1))
+    compiled = torch.compile(model)
+    with freqact.compress(compiled, "division") as meter:
+        compiled(torch.randn(shape)).sum().backward()
+    routes = {row.layer: row.routes for row in meter.per_layer()}
+    assert routes["0"] == (route,)  # the conv's output, the BatchNorm's input
+    with freqact.compress(model, "division") as meter:
+        model(torch.randn(shape)).sum().backward()
+    assert route in {r for row in meter.per_layer() if row.type == "BatchNorm2d" for r in row.routes}
+
+
 def test_frozen_weights_saved_where_the_model_runs_eagerly_are_not_charged():
     @torch._dynamo.disable
     def frozen_linear(h, weight):

@@ -26,7 +26,8 @@ give each saved tensor the eager routes' layout where it can tell (docs/ARCHITEC
   tensor it transposes, in the same layout, and transposed back when decoded;
   rank-2 tensors without one (BatchNorm1d inputs, a classifier's (N, F) input) are kept;
 - rank 4 and 5 maps, and a Conv1d's rank-3 input or output: `division` as saved (the map
-  rule);
+  rule), but a BatchNorm's input (read by a var_mean over every dim but 1) with fewer than
+  `routes.MIN_BATCH_VALUES` values per channel is kept, as in eager;
 - a ReLU output, whichever of the coded rules above it gets, also keeps its signs as 1 bit
   ("relu-mask", "relu-mask <layout>");
 - per-token statistics (N, T, 1) (LayerNorm's mean and rstd: its gradient scales with rstd) and
@@ -43,6 +44,7 @@ import torch
 from freqact.codecs.base import CODEC_DTYPES
 from freqact.engine import graph_ops
 from freqact.engine.layouts import GROUP_TOKENS, packed_nbytes, token_view
+from freqact.engine.routes import MIN_BATCH_VALUES
 
 __all__ = ["GraphRoute", "route"]
 
@@ -129,7 +131,7 @@ def _chosen(t: torch.Tensor, node, context) -> GraphRoute:
         if sdpa and t.dim() == 4:
             return _layout(ATTENTION, token_view(tuple(t.shape), heads=True))
         return _kept(t)  # a q or k view of the qkv output: a copy (the v part is coded)
-    if _softmax_input(node):
+    if _softmax_input(node) or _batch_statistics_over_few(t, node):
         return _kept(t)
     relu = getattr(node, "target", None) is torch.ops.aten.relu.default
     if t.dim() in (4, 5) or (t.dim() == 3 and _convolution_map(node)):
@@ -148,6 +150,18 @@ def _chosen(t: torch.Tensor, node, context) -> GraphRoute:
         return _layout(TOKENS if _is_norm(node) else FEATURES,
                        token_view(view, False, group=GROUP_TOKENS), relu)
     return _kept(t)
+
+
+def _batch_statistics_over_few(t: torch.Tensor, node) -> bool:
+    """Whether node is a BatchNorm's input (read by a var_mean over every dim but 1, as Inductor
+    decomposes a training BatchNorm) with fewer than `routes.MIN_BATCH_VALUES` values per channel:
+    kept, as the eager rule keeps it (backward keeps only the gradient orthogonal to 1 and x_hat,
+    none at 2 values, while coding noise passes unprojected)."""
+    if node is None or t.dim() < 2 or t.numel() >= MIN_BATCH_VALUES * t.shape[1]:
+        return False
+    batch_dims = {0, *range(2, t.dim())}
+    return any(user.target is torch.ops.aten.var_mean.correction and len(user.args) > 1
+               and {d % t.dim() for d in user.args[1]} == batch_dims for user in node.users)
 
 
 def _layout(layout: str, view: tuple[int, ...], positive: bool = False) -> GraphRoute:
