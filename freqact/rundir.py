@@ -50,9 +50,10 @@ except ImportError:  # pragma: no cover - Windows: no advisory locks, runs are n
 # `layer_windows` is derived from settings that must match (runs before it existed lack it).
 RESUMABLE_CHANGES = ("device", "out", "resume", "save_epochs", "save_every", "download",
                      "data_dir", "log_every", "backend", "kernels", "layer_windows")
-# Settings added after runs were written: what a stored config without them trained with.
+# Settings added after runs were written: what a stored config without them trained with (runs
+# written before the fsdp setting existed were not sharded).
 ADDED_SETTINGS = {"optimizer": "sgd", "model_options": {}, "window_rule": "nearest",
-                  "include": None, "exclude": None}
+                  "include": None, "exclude": None, "fsdp": False}
 METRIC_COLUMNS = (
     "epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time_s",
     "images_per_s", "saved_bytes", "exact_bytes", "compression_ratio", "cuda_peak_bytes",

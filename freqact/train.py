@@ -221,11 +221,10 @@ def _resume(state: _Trainer) -> None:
         say(f"resume: skipping {note}", flush=True)
     if ckpt is None:
         if run.config_path.is_file():  # a run stopped in its first epoch: the same one, not another's
-            rundir.check_resumable({"fsdp": False, **run.read_config()}, state.stored_config, run.config_path)
+            rundir.check_resumable(run.read_config(), state.stored_config, run.config_path)
         say(f"{run}: no checkpoint to resume from; starting fresh at epoch 1", flush=True)
         return
-    # runs written before the fsdp setting existed were not sharded
-    rundir.check_resumable({"fsdp": False, **ckpt["config"]}, state.stored_config, path)
+    rundir.check_resumable(ckpt["config"], state.stored_config, path)
     try:  # the entries are there (`rundir.check_resume_state`); their contents come from a file
         distributed.load_full_state(state.net, state.optimizer, ckpt["model"], ckpt["optimizer"], ctx,
                                     state.config.fsdp)

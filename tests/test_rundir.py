@@ -90,6 +90,15 @@ def test_resumable_lists_every_differing_field(tmp_path):
         rundir.check_resumable(saved, {**saved, "lr": 0.5, "bits": 4}, tmp_path)
 
 
+def test_a_config_written_before_the_fsdp_setting_resumes_unsharded_only(tmp_path):
+    # rundir.ADDED_SETTINGS is the one default of settings older runs lack (train's resume and
+    # a sweep's RunDir.state both read it): such a run was not sharded
+    saved = {"lr": 0.1}
+    rundir.check_resumable(saved, {"lr": 0.1, "fsdp": False}, tmp_path)
+    with pytest.raises(ValueError, match=r"fsdp: False -> True"):
+        rundir.check_resumable(saved, {"lr": 0.1, "fsdp": True}, tmp_path)
+
+
 def test_a_config_json_matches_the_run_whose_settings_held_tuples(tmp_path):
     # config.json holds a Python-API tuple (model_options={"hidden": (64, 32)}) as a list: a
     # resume from config.json alone (or a sweep's state check) refused the run as another's
