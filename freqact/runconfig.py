@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -162,6 +163,9 @@ class RunConfig(_WithCodecSettings):
         for name in ("subset", "save_every", "log_every"):
             if getattr(self, name) is not None:
                 _validate.positive_int(name, getattr(self, name))
+        if isinstance(self.save_epochs, (str, bytes)) or not isinstance(self.save_epochs, Iterable):
+            raise UsageTypeError(f"save_epochs: expected a list of epochs (integers >= 1), got "
+                                 f"{self.save_epochs!r}")
         self.save_epochs = sorted({_validate.positive_int("save_epochs", e)
                                    for e in self.save_epochs})
         for name in SELECTORS:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from freqact import checkpoint, cli, codecs, train
+from freqact.errors import UsageTypeError
 
 
 class Tiny(nn.Module):
@@ -200,6 +201,14 @@ def test_cli_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, match):
                      str(tmp_path / "run"), "--device", "cpu", *argv])
     err = capsys.readouterr().err
     assert code == 2 and match in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("save_epochs", [3, "12"])
+def test_run_config_refuses_save_epochs_that_is_not_a_list(save_epochs):
+    # a config.json or a Python caller's save_epochs=3 was a bare "'int' object is not iterable"
+    # (and "12" read as epochs 1 and 2)
+    with pytest.raises(UsageTypeError, match="save_epochs: expected a list of epochs"):
+        train.RunConfig(model="mlp", dataset="synthetic", save_epochs=save_epochs)
 
 
 def test_cli_refuses_a_gpu_index_this_machine_lacks_in_one_line(tmp_path, capsys, monkeypatch):
