@@ -54,6 +54,10 @@ class _SafeUnpickler(pickle._Unpickler):
     re-pickled by Python 3 at protocol <= 2 spell bytes as `_codecs.encode(str, "latin1")`.
     Every other global, which is how a pickle runs code, is refused before anything is called.
     Object dtypes are refused too: their payload would be unpickled objects, not numbers.
+    BUILD (`__setstate__`) only reaches what numpy writes it for: an array's state, and a
+    dtype's byte order (`_plain_dtype_state`); any other state would let a file give a dtype
+    fields, a subarray or numpy's "holds objects" flags (numpy then reads numbers as object
+    pointers), or set attributes on the loader's own functions.
 
     Memory: the pure-Python unpickler (not the C one, see `_BoundedMemo`) reads from an in-memory
     copy of the file, so every length a file states is bounded by the bytes it really has; the
@@ -67,6 +71,17 @@ class _SafeUnpickler(pickle._Unpickler):
     def __init__(self, file, **kwargs) -> None:
         super().__init__(file, **kwargs)
         self.memo = _BoundedMemo()
+
+    def load_build(self) -> None:
+        inst, state = self.stack[-2], self.stack[-1]
+        if isinstance(inst, np.dtype):
+            if not _plain_dtype_state(state):
+                raise pickle.UnpicklingError(f"refusing numpy dtype state {state!r:.80}")
+        elif type(inst) is not np.ndarray:
+            raise pickle.UnpicklingError(f"refusing BUILD of a {type(inst).__name__}")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
 
     def find_class(self, module: str, name: str):
         if module in ("numpy.core.multiarray", "numpy._core.multiarray") and name == "_reconstruct":
@@ -91,11 +106,28 @@ def _empty_array(cls, shape, dtype) -> np.ndarray:
 
 
 def _numeric_dtype(*args) -> np.dtype:
-    """`numpy.dtype(*args)` for the pickle loader; object and other non-numeric dtypes refused."""
+    """`numpy.dtype(*args)` for the pickle loader: a plain bool, integer or float dtype; object
+    and other non-numeric dtypes, and numeric ones with fields, a subarray or flags, refused."""
     dtype = np.dtype(*args)
-    if dtype.kind not in "biuf":
-        raise pickle.UnpicklingError(f"refusing non-numeric numpy dtype {dtype!s}")
+    if dtype.kind not in "biuf" or dtype.names is not None or dtype.subdtype is not None \
+            or dtype.flags or dtype.metadata is not None:
+        raise pickle.UnpicklingError(f"refusing non-numeric numpy dtype {dtype!r:.80}")
     return dtype
+
+
+def _plain_dtype_state(state: object) -> bool:
+    """Whether `state` is what numpy pickles for a plain numeric dtype: only a byte order.
+
+    `np.dtype("<f4").__reduce__()[2] == (3, "<", None, None, None, -1, -1, 0)`; a Python 2 file
+    read with encoding="bytes" (the official CIFAR batches) spells the byte order b"|".
+    """
+    return (isinstance(state, tuple) and len(state) == 8 and type(state[0]) is int
+            and state[0] == 3 and state[1] in _BYTE_ORDERS
+            and state[2:5] == (None, None, None)
+            and all(type(v) is int for v in state[5:]) and state[5:] == (-1, -1, 0))
+
+
+_BYTE_ORDERS = ("<", ">", "|", "=", b"<", b">", b"|", b"=")
 
 
 def _latin1_bytes(text: str, encoding: str) -> bytes:

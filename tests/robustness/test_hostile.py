@@ -142,6 +142,50 @@ def test_hostile_pickles_are_a_valueerror_naming_the_file_in_bounded_memory(tmp_
     assert peak < 16 << 20, (label, peak)
 
 
+def _text(s: str) -> bytes:
+    return b"X" + len(s).to_bytes(4, "little") + s.encode()
+
+
+_DTYPE_U8 = b"cnumpy\ndtype\n" + _text("u8") + b"\x89\x88\x87R"  # numpy.dtype("u8", False, True)
+_MINUS_1 = b"J\xff\xff\xff\xff"
+
+
+def _dtype_state(byte_order: str = "|", subarray: bytes = b"N", flags: int = 0) -> bytes:
+    """(3, byte_order, subarray, None, None, -1, -1, flags) then BUILD: numpy's dtype state."""
+    return (b"(K\x03" + _text(byte_order) + subarray + b"NN" + _MINUS_1 + _MINUS_1
+            + b"K" + bytes([flags]) + b"tb")
+
+
+@pytest.mark.parametrize("label, raw", [
+    # a uint64 dtype given numpy's "holds objects" flags: numpy then takes numbers for pointers
+    ("object-flags", b"\x80\x02" + _DTYPE_U8 + _dtype_state(flags=63) + b"."),
+    # ... and an array of it, its data a list (what object arrays pickle): loads, numpy errors later
+    ("object-flags-array", b"\x80\x02cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\nK\x00\x85"
+     + _DTYPE_U8 + b"\x87R(K\x01K\x02\x85" + _DTYPE_U8 + _dtype_state(flags=63)
+     + b"\x89]K\x01K\x02etb."),
+    # a uint64 dtype turned into a subarray of 4 bytes by its state: kind "u", 4 values an element
+    ("subarray", b"\x80\x02" + _DTYPE_U8 + _dtype_state(
+        subarray=b"cnumpy\ndtype\n" + _text("u1") + b"\x89\x88\x87RK\x04\x85\x86") + b"."),
+    # numpy.dtype(("u1", {"r": ("u1", 0)})): kind "u" with fields
+    ("fields", b"\x80\x02cnumpy\ndtype\n" + _text("u1") + b"}" + _text("r") + _text("u1")
+     + b"K\x00\x86s\x86\x85R."),
+    # BUILD on the loader's own function: a data file setting attributes in the process
+    ("build-function", b"\x80\x02c_codecs\nencode\n}" + _text("planted") + b"K\x01sb."),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_pickled_dtypes_are_plain_and_build_sets_nothing_else(tmp_path, label, raw):
+    from freqact import safepickle
+
+    path = _pickle_file(tmp_path, raw)
+    with pytest.raises(ValueError, match=rf"{path.name}: not a plain-data pickle \(refusing"):
+        data.load_pickle(path)
+    assert not hasattr(safepickle._latin1_bytes, "planted")
+    # what numpy itself writes still loads, big-endian and Python 2 files included
+    for array in (np.arange(6, dtype=">f4").reshape(2, 3), np.array([True]), np.int8([-1])):
+        path.write_bytes(pickle.dumps(array, protocol=2))
+        loaded = data.load_pickle(path)
+        assert loaded.dtype == pickle.loads(path.read_bytes()).dtype and (loaded == array).all()
+
+
 def _batch(images, labels) -> bytes:
     return pickle.dumps({b"data": images, b"labels": labels}, protocol=2)
 
