@@ -186,6 +186,22 @@ def test_pickled_dtypes_are_plain_and_build_sets_nothing_else(tmp_path, label, r
         assert loaded.dtype == pickle.loads(path.read_bytes()).dtype and (loaded == array).all()
 
 
+def test_a_deeply_nested_tuple_key_is_refused_not_a_crash(tmp_path):
+    import subprocess
+    import sys
+
+    # {(((...),),): 1} with the tuple 10**6 deep, 1 MB: hashing it recursed in C until Python crashed
+    path = _pickle_file(tmp_path, b"\x80\x02})" + b"\x85" * 10**6 + b"K\x01s.")
+    code = "import sys; from freqact.safepickle import load_pickle; load_pickle(sys.argv[1])"
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parents[2])
+    assert done.returncode == 1, (done.returncode, done.stderr[-500:])
+    assert f"{path}: not a plain-data pickle (tuples nested more than" in done.stderr
+    # the depth a plain pickle uses loads: numpy's own state, and a key 32 tuples deep
+    path.write_bytes(b"\x80\x02})" + b"\x85" * 31 + b"K\x01s.")
+    assert list(data.load_pickle(path).values()) == [1]
+
+
 def _batch(images, labels) -> bytes:
     return pickle.dumps({b"data": images, b"labels": labels}, protocol=2)
 
