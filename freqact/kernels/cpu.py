@@ -19,7 +19,8 @@ Loading never runs code that freqact did not build for this user: the cache fold
 by the user and not writable by group or others, and no folder above it may let another user swap
 it (owned by another user than this one or root, or writable by group or others without the sticky
 bit) (otherwise a RuntimeWarning, and the library is built in a fresh private temporary folder
-instead); the library file must be a regular file owned
+instead); whichever folder is used, it is used by its absolute path with every link resolved;
+the library file must be a regular file owned
 by the user, not group/other-writable, and match its recorded hash; a file that fails any check
 (a zero-byte or garbage entry, a missing hash) is rebuilt. A library without the kernel symbols
 makes `available()` False like a failed build. It is loaded with ctypes and given tensors by data
@@ -210,16 +211,22 @@ def _verified(path: Path) -> bool:
 
 def _trusted_cache() -> Path:
     """The cache folder if it is safe (created private when missing), else a fresh private
-    temporary folder (with a RuntimeWarning saying why)."""
+    temporary folder (with a RuntimeWarning saying why); absolute, with no symbolic link.
+
+    Everything after the checks goes through the resolved path: a relative one without a folder
+    ($FREQACT_CACHE=".") would hand dlopen a bare file name, which it looks up in
+    LD_LIBRARY_PATH and the system folders instead, and a link on the way (in a folder of
+    another user's, say) could be pointed elsewhere once the checks are done."""
     cache = _cache_dir()
     try:
         cache.mkdir(parents=True, exist_ok=True, mode=0o700)
-        reason = _unsafe(cache, want_dir=True) or _unsafe_above(cache)
+        real = cache.resolve(strict=True)
+        reason = _unsafe(cache, want_dir=True) or _unsafe(real, want_dir=True) or _unsafe_above(real)
     except OSError as err:
         reason = str(err)
     if reason is None:
-        return cache
-    private = Path(tempfile.mkdtemp(prefix="freqact-kernels-"))
+        return real
+    private = Path(tempfile.mkdtemp(prefix="freqact-kernels-")).resolve()
     warnings.warn(f"freqact: not using the kernel cache: {reason}; building the C kernels in "
                   f"{private} instead", RuntimeWarning, stacklevel=5)
     return private

@@ -279,3 +279,37 @@ def test_a_library_writable_by_others_or_owned_by_another_user_is_rebuilt(fresh)
         assert not cpu._verified(path)
     assert cpu.available(), cpu.unavailable_reason()
     assert cpu._verified(path) and path.stat().st_uid == os.getuid()
+
+
+_RELATIVE_CACHE_DRIVER = textwrap.dedent("""
+    import shutil, sys
+    from pathlib import Path
+    from freqact.kernels import cpu
+    cpu.CFLAGS = tuple("-O0" if f == "-O3" else f for f in cpu.CFLAGS)
+    # another library of the very name freqact's would have, in the loader's search path
+    shutil.copy(sys.argv[1], Path(sys.argv[2]) / cpu.library_path(Path("."), cpu.SOURCE, cpu.CFLAGS).name)
+    assert cpu.available(), cpu.unavailable_reason()
+    print(cpu._library()._name)
+""")
+
+
+@needs_cc
+def test_a_relative_cache_loads_the_library_built_there_not_one_the_loader_finds(tmp_path):
+    # FREQACT_CACHE=. named the library "cpu_division-<hash>.so", without a slash: dlopen then
+    # searches LD_LIBRARY_PATH and the system folders for that name, not the cache
+    marker, planted, work = tmp_path / "planted-ran", tmp_path / "libs", tmp_path / "work"
+    planted.mkdir()
+    work.mkdir(mode=0o700)
+    source = tmp_path / "planted.c"
+    source.write_text('#include <sys/stat.h>\n__attribute__((constructor)) static void planted(void) '
+                      f'{{ mkdir("{marker}", 0700); }}\n')
+    subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(tmp_path / "planted.so")],
+                   check=True)
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, FREQACT_CACHE=".", LD_LIBRARY_PATH=str(planted), PYTHONPATH=str(root))
+    done = subprocess.run([sys.executable, "-c", _RELATIVE_CACHE_DRIVER, str(tmp_path / "planted.so"),
+                           str(planted)], cwd=work, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert not marker.exists(), "a library freqact did not build was loaded"
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().startswith(str(work.resolve()) + "/cpu_division-")
