@@ -162,15 +162,22 @@ def load(path: str | os.PathLike) -> dict:
 
 
 def _verify_archive(path: Path) -> None:
-    """Check the CRC-32 of every member of the zip torch.save writes.
+    """Check the CRC-32 of every member of the zip torch.save writes, and that none is compressed.
 
-    torch.load does not, so damaged tensor bytes would otherwise load silently as wrong weights.
+    torch.load does not check checksums, so damaged tensor bytes would otherwise load silently as
+    wrong weights. torch.save stores every member as it is; torch.load would inflate a compressed
+    one too, so a file of a few MB could hold a storage of zeros of any size (memory without
+    bound), while a stored member is never larger than the file.
 
     Raises:
         zipfile.BadZipFile: if `path` is not a whole zip archive.
-        ValueError: if a member's bytes do not match their checksum.
+        ValueError: if a member is compressed or its bytes do not match their checksum.
     """
     with zipfile.ZipFile(path) as archive:
+        for info in archive.infolist():
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise ValueError(f"member {info.filename} is compressed (torch.save stores "
+                                 "every member as it is)")
         damaged = archive.testzip()
     if damaged is not None:
         raise ValueError(f"checksum mismatch in {damaged}")

@@ -92,6 +92,32 @@ def test_code_in_a_checkpoint_is_refused_and_not_run(tmp_path):
     assert not target.exists()
 
 
+def _rewritten(source, target, edit) -> None:
+    """Copy the zip `source` to `target`, each member through edit(info, bytes) -> (bytes, method)."""
+    import zipfile
+
+    with zipfile.ZipFile(source) as old, zipfile.ZipFile(target, "w") as new:
+        for info in old.infolist():
+            content, method = edit(info, old.read(info))
+            new.writestr(info.filename, content, compress_type=method)
+
+
+def test_a_compressed_storage_is_refused_before_it_is_inflated(tmp_path):
+    import zipfile
+
+    # 2**22 zero floats (16 MB) deflate to 16 kB: torch.load inflated such a member whatever its
+    # size, so a small file could ask for any amount of memory
+    source, bomb = tmp_path / "source.pt", tmp_path / "bomb.pt"
+    checkpoint.save(source, {"format": checkpoint.FORMAT, "t": torch.zeros(2**22)})
+    _rewritten(source, bomb, lambda info, content: (
+        content, zipfile.ZIP_DEFLATED if info.filename.endswith("/data/0") else zipfile.ZIP_STORED))
+    assert bomb.stat().st_size < 2**16
+    assert torch.load(bomb, weights_only=True)["t"].numel() == 2**22  # torch alone inflates it
+    with pytest.raises(ValueError, match=r"bomb.pt: .*member \S+/data/0 is compressed"):
+        checkpoint.load(bomb)
+    assert checkpoint.load(source)["t"].numel() == 2**22
+
+
 def test_load_model_rebuilds_the_weights(tmp_path):
     torch.manual_seed(0)
     trained = models.get("mlp", num_classes=10)
