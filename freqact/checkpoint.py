@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import pickletools
 import secrets
 import zipfile
 from collections.abc import Sequence
@@ -27,6 +28,12 @@ from freqact.distributed import pick_device
 FORMAT = "freqact-ckpt-1"
 # The most classes a stored config may ask a rebuilt model for (ImageNet-21k has 21,841).
 MAX_CLASSES = 100_000
+# How deep a checkpoint's pickle may nest values (a freqact checkpoint nests ~10 deep): Python hashes
+# a tuple recursively in C with no depth check, so a 1 MB data.pkl keyed by a tuple 10**6 deep
+# crashed torch.load (SIGSEGV) instead of being refused.
+MAX_PICKLE_DEPTH = 200
+# Pickle opcodes that add to a container already on the stack (the first value they take).
+_IN_PLACE = frozenset({"SETITEM", "SETITEMS", "APPEND", "APPENDS", "ADDITEMS", "BUILD"})
 # Types of the stored config fields the analyses read (None is accepted where a run has none).
 _CONFIG_TYPES = {"dataset": (str,), "mode": (str,), "data_dir": (str,), "subset": (int,),
                  "seed": (int,), "batch_size": (int,), "epochs": (int,), "model_options": (dict,)}
@@ -128,7 +135,9 @@ def load(path: str | os.PathLike) -> dict:
         FileNotFoundError: if `path` does not exist.
         PermissionError: if `path` cannot be read (the message names it).
         ValueError: naming the file, if it is a directory, truncated, corrupt, needs anything but
-            tensors and plain types (weights_only refuses it), or is not a freqact checkpoint.
+            tensors and plain types (weights_only refuses it), has a compressed member or values
+            nested more than MAX_PICKLE_DEPTH deep (`_verify_archive`), or is not a freqact
+            checkpoint.
     """
     path = Path(path)
     if path.is_dir():
@@ -171,7 +180,8 @@ def _verify_archive(path: Path) -> None:
 
     Raises:
         zipfile.BadZipFile: if `path` is not a whole zip archive.
-        ValueError: if a member is compressed or its bytes do not match their checksum.
+        ValueError: if a member is compressed, its bytes do not match their checksum, or a
+            pickle in it nests values more than MAX_PICKLE_DEPTH deep (`_check_depth`).
     """
     with zipfile.ZipFile(path) as archive:
         for info in archive.infolist():
@@ -179,8 +189,50 @@ def _verify_archive(path: Path) -> None:
                 raise ValueError(f"member {info.filename} is compressed (torch.save stores "
                                  "every member as it is)")
         damaged = archive.testzip()
-    if damaged is not None:
-        raise ValueError(f"checksum mismatch in {damaged}")
+        if damaged is not None:
+            raise ValueError(f"checksum mismatch in {damaged}")
+        for info in archive.infolist():
+            if info.filename.endswith(".pkl"):
+                _check_depth(info.filename, archive.read(info))
+
+
+def _check_depth(member: str, data: bytes) -> int:
+    """The nesting depth of the values the pickle `data` builds, read from its opcodes without
+    building anything (each value on the stack stands for its depth); refused past
+    MAX_PICKLE_DEPTH.
+
+    Raises:
+        ValueError: naming `member`, if it nests deeper, or is not a whole pickle.
+    """
+    stack: list[int | None] = []  # None: a MARK
+    memo: dict[object, int] = {}
+    deepest = 0
+    for op, arg, _ in pickletools.genops(data):
+        if op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+            memo[len(memo) if op.name == "MEMOIZE" else arg] = (stack[-1] or 0) if stack else 0
+            continue
+        if op.name in ("GET", "BINGET", "LONG_BINGET"):
+            stack.append(memo.get(arg, 0))
+            continue
+        taken, count = [], len(op.stack_before)
+        if pickletools.stackslice in op.stack_before:  # everything above the last MARK, and it
+            while stack and stack[-1] is not None:
+                taken.append(stack.pop())
+            if stack:
+                stack.pop()
+            count -= 2
+        taken += [(stack.pop() or 0) if stack else 0 for _ in range(count)]  # the bottom one last
+        if op.name == "DUP":
+            made = taken[0] if taken else 0
+        elif op.name in _IN_PLACE and taken:
+            made = max(taken[-1], 1 + max(taken[:-1], default=-1))
+        else:
+            made = 1 + max(taken) if taken else 0
+        if made > MAX_PICKLE_DEPTH:
+            raise ValueError(f"{member} nests values more than {MAX_PICKLE_DEPTH} deep")
+        deepest = max(deepest, made)
+        stack += [None if item is pickletools.markobject else made for item in op.stack_after]
+    return deepest
 
 
 def _unpickling_reason(err: pickle.UnpicklingError) -> str:

@@ -118,6 +118,38 @@ def test_a_compressed_storage_is_refused_before_it_is_inflated(tmp_path):
     assert checkpoint.load(source)["t"].numel() == 2**22
 
 
+def test_a_deeply_nested_checkpoint_is_refused_not_a_crash(tmp_path):
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    # {"format": ..., ((...),): 1}, the tuple 10**6 deep (1 MB): torch.load's dict hashed it,
+    # recursing in C until Python crashed
+    deep = (b"\x80\x02}(X\x06\x00\x00\x00format" + pickle.dumps(checkpoint.FORMAT, 2)[2:-1]
+            + b")" + b"\x85" * 10**6 + b"K\x01u.")
+    source, path = tmp_path / "source.pt", tmp_path / "deep.pt"
+    checkpoint.save(source, {"format": checkpoint.FORMAT})
+    _rewritten(source, path, lambda info, content: (
+        deep if info.filename.endswith("data.pkl") else content, zipfile.ZIP_STORED))
+    code = "import sys; from freqact import checkpoint; checkpoint.load(sys.argv[1])"
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parents[1])
+    assert done.returncode == 1, (done.returncode, done.stderr[-500:])
+    assert f"{path}: not a loadable checkpoint" in done.stderr
+    assert f"nests values more than {checkpoint.MAX_PICKLE_DEPTH} deep" in done.stderr
+    # a checkpoint as train writes it is far from the bound
+    model = models.get("resnet18", num_classes=10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.zeros(2, 3, 32, 32)).sum().backward()
+    optimizer.step()
+    checkpoint.save(path, {**_ckpt(model, "resnet18"), "optimizer": optimizer.state_dict()})
+    with zipfile.ZipFile(path) as archive:
+        pkl = next(name for name in archive.namelist() if name.endswith("data.pkl"))
+        assert checkpoint._check_depth(pkl, archive.read(pkl)) < 20
+    checkpoint.load_model(path)
+
+
 def test_load_model_rebuilds_the_weights(tmp_path):
     torch.manual_seed(0)
     trained = models.get("mlp", num_classes=10)
