@@ -437,7 +437,7 @@ def _parse_json(where: str | Path, text: str) -> object:
     """json.loads as data; malformed or absurdly nested input is a ValueError naming `where`."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError as err:
+    except ValueError as err:  # JSONDecodeError, or an integer of more than 4300 digits
         raise ValueError(f"{where}: not valid JSON ({err}); delete or repair the file") from None
     except RecursionError:
         raise ValueError(f"{where}: not valid JSON (nested too deeply)") from None

@@ -93,7 +93,7 @@ def _parse(text: str, fmt: str, path: Path) -> object:
         errors, parse = (tomllib.TOMLDecodeError,), tomllib.loads
     try:
         return parse(text)
-    except errors as err:
+    except (*errors, ValueError) as err:  # ValueError: an integer of more than 4300 digits
         raise ValueError(f"spec: {path} is not valid {fmt.upper()}: {err}") from err
     except RecursionError:
         raise ValueError(f"spec: {path} is not valid {fmt.upper()}: nested too deeply") from None

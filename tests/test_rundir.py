@@ -81,6 +81,9 @@ def test_huge_or_deeply_nested_run_files_are_refused_naming_them(tmp_path):
         f.truncate(rundir.MAX_CONFIG_BYTES + 1)
     with pytest.raises(ValueError, match=r"config\.json: larger than"):
         run.read_config()
+    run.config_path.write_text('{"seed": ' + "1" * 5000 + "}")  # past Python's 4300 digits
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON \(Exceeds the limit"):
+        run.read_config()
 
 
 def test_resumable_lists_every_differing_field(tmp_path):

@@ -334,6 +334,11 @@ def test_a_grid_of_a_billion_runs_is_refused_before_expanding(tmp_path, capsys):
     (".yaml", "[" * 100_000 + "]" * 100_000),
     (".json", "[" * 100_000 + "]" * 100_000),
     (".toml", "x = " + "[" * 100_000 + "]" * 100_000),
+    # integers past Python's 4300 digits, and a date that is none: a ValueError without the file
+    (".json", '{"x": ' + "1" * 5000 + "}"),
+    (".toml", "x = " + "1" * 5000),
+    (".yaml", "x: " + "1" * 5000),
+    (".yaml", "x: 2023-13-45"),
 ])
 def test_spec_bombs_end_in_one_line_naming_the_file(tmp_path, capsys, suffix, text):
     pytest.importorskip("yaml", reason="pyyaml reads .yaml specs")
@@ -379,7 +384,8 @@ def test_figures_on_a_bad_metrics_line_names_file_and_line(tmp_path, capsys):
     good = '{"epoch": 1, "test_acc": 0.5, "train_loss": 1.0}\n'
     for bad, match in (('{"epoch": 2,', "line 2: not valid JSON"),
                        ('{"epoch": 2, "test_acc": "0.5", "train_loss": 1}', "line 2: test_acc"),
-                       ('{"epoch": 2, "test_acc": 0.5}', "line 2: train_loss")):
+                       ('{"epoch": 2, "test_acc": 0.5}', "line 2: train_loss"),
+                       ('{"epoch": ' + "2" * 5000 + "}", "line 2: not valid JSON")):
         (run / "metrics.jsonl").write_text(good + bad + "\n")
         code, err = run_cli(["figures", run, "--out", tmp_path / "figs"], capsys)
         assert code == 2 and f"metrics.jsonl {match}" in err and len(err.strip().splitlines()) == 1
