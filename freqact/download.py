@@ -70,7 +70,8 @@ def _unpack(archive, folder: str, root: Path, source: str) -> None:
 
     Raises:
         ValueError: one line naming `source`, if the archive is not a clean tar.gz (the `data`
-            filter refuses absolute paths, links out of the tree, devices) or lacks `folder`.
+            filter refuses absolute paths, links out of the tree, devices) or lacks `folder`;
+            naming `root/folder`, if that is a file.
     """
     scratch = Path(tempfile.mkdtemp(dir=root, prefix=".freqact-unpack-"))
     try:
@@ -86,6 +87,9 @@ def _unpack(archive, folder: str, root: Path, source: str) -> None:
         if not target.exists():
             os.rename(unpacked, target)
             return
+        if not target.is_dir():
+            raise ValueError(f"{target}: expected the folder {folder} (or nothing) there, found a "
+                             "file; move it away to unpack the archive")
         for path in sorted(unpacked.iterdir()):
             if not (target / path.name).exists() and path.is_file() and not path.is_symlink():
                 os.rename(path, target / path.name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -274,6 +275,13 @@ def test_download_unpacks_only_the_data_folder_and_never_overwrites(tmp_path, mo
     data.download_cifar("cifar10", root)
     assert (root / "cifar-10-batches-py" / "test_batch").read_bytes() == b"kept"
     assert (root / "cifar-10-batches-py" / "data_batch_2").read_bytes() == batch
+    assert sorted(p.name for p in root.iterdir()) == ["README", "cifar-10-batches-py"]
+    # a file where the folder goes: a one-line error naming it, not a rename failing in a temp folder
+    shutil.rmtree(root / "cifar-10-batches-py")
+    (root / "cifar-10-batches-py").write_text("mine")
+    with pytest.raises(ValueError, match=r"^\S+/data/cifar-10-batches-py: expected the folder"):
+        data.load("cifar10", root, download=True)
+    assert (root / "cifar-10-batches-py").read_text() == "mine"
     assert sorted(p.name for p in root.iterdir()) == ["README", "cifar-10-batches-py"]
 
 
