@@ -159,7 +159,7 @@ class RunDir:
         """
         if not self.config_path.is_file():
             raise FileNotFoundError(f"{self.path} is not a run directory (no config.json)")
-        value = _parse_json(self.config_path, _read_text(self.config_path, MAX_CONFIG_BYTES))
+        value = read_json(self.config_path)
         if not isinstance(value, dict):
             raise ValueError(f"{self.config_path}: expected a JSON object, got "
                              f"{type(value).__name__}; delete or repair the file")
@@ -422,6 +422,18 @@ def _as_json(value: object) -> object:
     if isinstance(value, dict):
         return {k: _as_json(v) for k, v in value.items()}
     return value
+
+
+def read_json(path: str | os.PathLike, limit: int = MAX_CONFIG_BYTES) -> object:
+    """A small JSON file freqact wrote (a run's config, an analysis table's settings sidecar), read
+    within `limit` bytes.
+
+    Raises:
+        OSError: if it cannot be read (FileNotFoundError when missing).
+        ValueError: naming the file, if it is larger, not UTF-8, not JSON or nested too deeply.
+    """
+    path = Path(path)
+    return _parse_json(path, _read_text(path, limit))
 
 
 def _read_text(path: Path, limit: int) -> str:

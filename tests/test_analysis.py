@@ -482,6 +482,21 @@ def test_pipeline_reuses_a_table_only_when_its_settings_match(tiny_run, tmp_path
     assert not pipelines.pooling_analysis(ckpt, out, blocks=(4,), images=3, reuse=True).reused
 
 
+@pytest.mark.parametrize("sidecar", ["[" * 100_000 + "]" * 100_000, " " * (2 << 20) + "{}", "{"])
+def test_a_damaged_sidecar_means_measure_again(tiny_run, tmp_path, sidecar):
+    # the settings sidecar was read whole and parsed unbounded: a deeply nested one escaped as
+    # a RecursionError, a huge one was read whole; now the table is measured again
+    from freqact.analysis import pipelines
+
+    ckpt = tiny_run / "ckpt" / "epoch-0002.pt"
+    out = tmp_path / "out"
+    pipelines.pooling_analysis(ckpt, out, blocks=(4,), images=2)
+    (out / "pooling.settings.json").write_text(sidecar)
+    again = pipelines.pooling_analysis(ckpt, out, blocks=(4,), images=2, reuse=True)
+    assert not again.reused
+    assert pipelines.pooling_analysis(ckpt, out, blocks=(4,), images=2, reuse=True).reused
+
+
 @pytest.mark.parametrize("fail_at", ["table", "sidecar"])
 def test_a_crash_between_table_and_sidecar_never_leaves_a_sidecar_vouching_for_another_table(
         tiny_run, tmp_path, monkeypatch, fail_at):

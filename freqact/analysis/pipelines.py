@@ -150,9 +150,10 @@ def _write(rows: list[dict], out: Path, name: str, settings: dict) -> Path:
 
 
 def _reused(out: Path, name: str, settings: dict) -> list[dict] | None:
-    """OUT/NAME.csv's rows when its sidecar records exactly `settings`, else None."""
+    """OUT/NAME.csv's rows when its sidecar records exactly `settings`, else None (a sidecar that
+    is missing, unreadable, too large or malformed included: the table is measured again)."""
     try:
-        recorded = json.loads((out / f"{name}.settings.json").read_text())
+        recorded = rundir.read_json(out / f"{name}.settings.json")
         with open(out / f"{name}.csv", newline="") as f:
             rows = list(csv.DictReader(f))
     except (OSError, ValueError):
