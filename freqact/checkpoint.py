@@ -28,9 +28,9 @@ from freqact.distributed import pick_device
 FORMAT = "freqact-ckpt-1"
 # The most classes a stored config may ask a rebuilt model for (ImageNet-21k has 21,841).
 MAX_CLASSES = 100_000
-# How deep a checkpoint's pickle may nest values (a freqact checkpoint nests ~10 deep): Python hashes
-# a tuple recursively in C with no depth check, so a 1 MB data.pkl keyed by a tuple 10**6 deep
-# crashed torch.load (SIGSEGV) instead of being refused.
+# How deep a pickle freqact reads may nest values (a checkpoint nests ~10 deep, a CIFAR batch 4):
+# Python hashes a tuple recursively in C with no depth check, so a 1 MB file keyed by a tuple
+# 10**6 deep crashed torch.load and the CIFAR loader (SIGSEGV) instead of being refused.
 MAX_PICKLE_DEPTH = 200
 # Pickle opcodes that add to a container already on the stack (the first value they take).
 _IN_PLACE = frozenset({"SETITEM", "SETITEMS", "APPEND", "APPENDS", "ADDITEMS", "BUILD"})
@@ -181,7 +181,7 @@ def _verify_archive(path: Path) -> None:
     Raises:
         zipfile.BadZipFile: if `path` is not a whole zip archive.
         ValueError: if a member is compressed, its bytes do not match their checksum, or a
-            pickle in it nests values more than MAX_PICKLE_DEPTH deep (`_check_depth`).
+            pickle in it nests values more than MAX_PICKLE_DEPTH deep (`check_pickle_depth`).
     """
     with zipfile.ZipFile(path) as archive:
         for info in archive.infolist():
@@ -193,16 +193,16 @@ def _verify_archive(path: Path) -> None:
             raise ValueError(f"checksum mismatch in {damaged}")
         for info in archive.infolist():
             if info.filename.endswith(".pkl"):
-                _check_depth(info.filename, archive.read(info))
+                check_pickle_depth(info.filename, archive.read(info))
 
 
-def _check_depth(member: str, data: bytes) -> int:
+def check_pickle_depth(name: str, data: bytes) -> int:
     """The nesting depth of the values the pickle `data` builds, read from its opcodes without
     building anything (each value on the stack stands for its depth); refused past
-    MAX_PICKLE_DEPTH.
+    MAX_PICKLE_DEPTH. Checkpoints (`_verify_archive`) and `safepickle` read their pickles past it.
 
     Raises:
-        ValueError: naming `member`, if it nests deeper, or is not a whole pickle.
+        ValueError: naming `name`, if it nests deeper, or is not a whole pickle.
     """
     stack: list[int | None] = []  # None: a MARK
     memo: dict[object, int] = {}
@@ -229,7 +229,7 @@ def _check_depth(member: str, data: bytes) -> int:
         else:
             made = 1 + max(taken) if taken else 0
         if made > MAX_PICKLE_DEPTH:
-            raise ValueError(f"{member} nests values more than {MAX_PICKLE_DEPTH} deep")
+            raise ValueError(f"{name} nests values more than {MAX_PICKLE_DEPTH} deep")
         deepest = max(deepest, made)
         stack += [None if item is pickletools.markobject else made for item in op.stack_after]
     return deepest

@@ -12,14 +12,11 @@ import struct
 
 import numpy as np
 
-from freqact.checkpoint import read_bounded
+from freqact.checkpoint import check_pickle_depth, read_bounded
 
 # Bounds on a pickle freqact reads: CIFAR-100's training file is 155 MB and memoises ~100k objects.
 MAX_PICKLE_BYTES = 1 << 30
 MAX_PICKLE_MEMO = 1 << 22
-# Tuples inside tuples: numpy's array state nests 3 deep. (Hashing a tuple recurses in C with no
-# depth check: a 1 MB file of a tuple nested 10**6 deep, used as a dict key, crashes Python.)
-MAX_TUPLE_DEPTH = 32
 
 
 class _ArrayClass:
@@ -74,25 +71,6 @@ class _SafeUnpickler(pickle._Unpickler):
     def __init__(self, file, **kwargs) -> None:
         super().__init__(file, **kwargs)
         self.memo = _BoundedMemo()
-        self._depths: dict[int, int] = {}  # id of each tuple made -> its tuple nesting depth
-
-    def _check_depth(self) -> None:
-        """Record the depth of the tuple a TUPLE opcode just pushed; refuse past MAX_TUPLE_DEPTH.
-
-        Every tuple of a load comes from these opcodes (no allowed global returns one), so the
-        id of an inner tuple was recorded when it was made, even if an older one had that id."""
-        made = self.stack[-1]
-        depth = 1 + max((self._depths.get(id(v), 1) for v in made if type(v) is tuple), default=0)
-        if depth > MAX_TUPLE_DEPTH:
-            raise pickle.UnpicklingError(f"tuples nested more than {MAX_TUPLE_DEPTH} deep")
-        self._depths[id(made)] = depth
-
-    for _op in (pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3):
-        def _load_tuple(self, _load=dispatch[_op[0]]) -> None:
-            _load(self)
-            self._check_depth()
-        dispatch[_op[0]] = _load_tuple
-    del _op, _load_tuple
 
     def load_build(self) -> None:
         inst, state = self.stack[-2], self.stack[-1]
@@ -176,11 +154,12 @@ def load_pickle(path: str | os.PathLike) -> object:
 
     Raises:
         ValueError: naming the file, if it is not such a pickle (truncated, corrupt, too large,
-            asking for absurd sizes, or for any other global, which is how a pickle would run
-            code).
+            asking for absurd sizes, nesting values more than `checkpoint.MAX_PICKLE_DEPTH` deep, or
+            for any other global, which is how a pickle would run code).
     """
     raw = read_bounded(path, MAX_PICKLE_BYTES, "a data file")
     try:
+        check_pickle_depth("it", raw)  # a tuple key nested 10**6 deep crashed Python as it hashed
         return _SafeUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except _PICKLE_ERRORS as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

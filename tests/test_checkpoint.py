@@ -146,7 +146,7 @@ def test_a_deeply_nested_checkpoint_is_refused_not_a_crash(tmp_path):
     checkpoint.save(path, {**_ckpt(model, "resnet18"), "optimizer": optimizer.state_dict()})
     with zipfile.ZipFile(path) as archive:
         pkl = next(name for name in archive.namelist() if name.endswith("data.pkl"))
-        assert checkpoint._check_depth(pkl, archive.read(pkl)) < 20
+        assert checkpoint.check_pickle_depth(pkl, archive.read(pkl)) < 20
     checkpoint.load_model(path)
 
 

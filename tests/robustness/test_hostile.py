@@ -197,9 +197,9 @@ def test_a_deeply_nested_tuple_key_is_refused_not_a_crash(tmp_path):
     done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
                           timeout=120, cwd=Path(__file__).parents[2])
     assert done.returncode == 1, (done.returncode, done.stderr[-500:])
-    assert f"{path}: not a plain-data pickle (tuples nested more than" in done.stderr
-    # the depth a plain pickle uses loads: numpy's own state, and a key 32 tuples deep
-    path.write_bytes(b"\x80\x02})" + b"\x85" * 31 + b"K\x01s.")
+    assert f"{path}: not a plain-data pickle (it nests values more than" in done.stderr
+    # the depth a plain pickle uses loads: numpy's own state, and a key of tuples up to the bound
+    path.write_bytes(b"\x80\x02})" + b"\x85" * (checkpoint.MAX_PICKLE_DEPTH - 2) + b"K\x01s.")
     assert list(data.load_pickle(path).values()) == [1]
 
 
