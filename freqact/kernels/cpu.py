@@ -344,6 +344,14 @@ def _for_c(t: torch.Tensor) -> torch.Tensor:
     return (t.resolve_neg() if t.is_neg() else t).contiguous()
 
 
+def _extent(t: torch.Tensor) -> int:
+    """Elements from t's first to its last, gaps included (0 for none): where its strides reach."""
+    if not t.numel():
+        return 0
+    return t.numel() if t.is_contiguous() else 1 + sum(
+        (size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+
+
 def _strided_for_c(name: str, t: torch.Tensor) -> torch.Tensor:
     """t as the C code reads or writes it in place through its strides: its negative bit
     resolved, and every element it names within its storage (a view whose storage was resized
@@ -351,29 +359,17 @@ def _strided_for_c(name: str, t: torch.Tensor) -> torch.Tensor:
     check this, so it is checked where freqact hands C the strides)."""
     if t.is_neg():
         t = t.resolve_neg()
-    if t.numel():
-        reach = t.storage_offset() + (t.numel() if t.is_contiguous() else 1 + sum(
-            (size - 1) * stride for size, stride in zip(t.shape, t.stride())))
-        if reach * t.element_size() > t.untyped_storage().nbytes():
-            raise ValueError(f"{name}: its sizes and strides reach {reach * t.element_size()} "
-                             f"bytes into a storage of {t.untyped_storage().nbytes()}")
+    reach = (t.storage_offset() + _extent(t)) * t.element_size() if t.numel() else 0
+    if reach > t.untyped_storage().nbytes():
+        raise ValueError(f"{name}: its sizes and strides reach {reach} bytes into a storage of "
+                         f"{t.untyped_storage().nbytes()}")
     return t
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes [first, end) that t's elements occupy (empty for no elements)."""
-    if not t.numel():
-        return (0, 0)
+    """The bytes [first, end) from t's first element to its last (empty for no elements)."""
     first = t.data_ptr()
-    return first, first + t.element_size() * (1 + sum(
-        (size - 1) * stride for size, stride in zip(t.shape, t.stride())))
-
-
-def _storage_span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes [first, end) of t's storage."""
-    storage = t.untyped_storage()
-    first = storage.data_ptr()
-    return first, first + storage.nbytes()
+    return first, first + _extent(t) * t.element_size()
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
@@ -757,13 +753,12 @@ def token_decode(lfc: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes:
     args = _token_args(geom, bits, out_stride=out.stride(0))
     _strided_for_c("out", out)
     parts = [_for_c(t) for t in parts]
-    storage = _storage_span(out)
+    written = _span(out)
     for name, t in zip(("lfc", "lo", "step", "codes"), parts):
-        # a part read while out is written gives other values (the bytes only when a part's
-        # storage overlaps out's: ~0.5 us a part, not 1.5). Distinct storages may alias the same
-        # memory (torch.from_numpy of two views of one array, frombuffer, DLPack): their byte
-        # ranges are compared, not their data pointers.
-        if _overlap(_storage_span(t), storage) and _overlap(_span(t), _span(out)):
+        # a part read while out is written gives other values. Byte ranges, not storages, are
+        # compared: distinct storages may alias one buffer (torch.from_numpy of two views of an
+        # array, frombuffer, DLPack); the parts are contiguous here.
+        if _overlap((t.data_ptr(), t.data_ptr() + t.nbytes), written):
             raise ValueError(f"out: expected memory apart from the parts', got memory that "
                              f"overlaps packed.{name}'s")
     status = lib.freqact_token_decode(args, bits, *(t.data_ptr() for t in parts), out.data_ptr(),
