@@ -56,8 +56,6 @@ def evaluate_checkpoint(path: str, *, data_dir: str | None = None, device: str |
         or "tokens" for the text dataset, whose every next byte is a target).
     """
     ctx = distributed.Context(device=distributed.pick_device(device))
-    # every key train writes (data_dir and subset as None when the run had none): a checkpoint
-    # without one is refused in one line naming the file and the key, before a model is built
     net, ckpt = checkpoint.load_model(path, ctx.device, required=CONFIG_KEYS)
     cfg = ckpt["config"]
     ds = data.load_for_model(cfg["dataset"], net, data_dir or cfg["data_dir"], subset=cfg["subset"],

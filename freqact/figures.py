@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from freqact import _validate, dct, distributed, engine, plots, rundir, train
-from freqact.analysis import common, pipelines
+from freqact.analysis import common, pipelines, pooling
 
 FIGURES = ("lambdas", "training", "theorem31", "pooling", "compression")
 # The metrics columns the training figure plots (a bad row is refused naming file and line).
@@ -208,13 +208,11 @@ def make_all(
     # every setting is checked before the first analysis runs (a bad pooling_images would
     # otherwise be refused minutes later, after λ and the memory runs, as "images")
     for name, images in (("lambda_images", lambda_images), ("theorem_images", theorem_images),
-                         ("pooling_images", pooling_images), ("memory_images", memory_images)):
-        if images is not None or name != "memory_images":
-            _validate.positive_int(name, images)
-    if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Sequence) or not blocks:
-        raise ValueError(f"blocks: expected a non-empty list of block sizes, got {blocks!r}")
-    for block in blocks:
-        _validate.positive_int("blocks", block)
+                         ("pooling_images", pooling_images)):
+        _validate.positive_int(name, images)
+    if memory_images is not None:
+        _validate.positive_int("memory_images", memory_images)
+    pooling.check_blocks(blocks)
     distributed.pick_device(str(device))
     runs = [Path(r) for r in run_dirs]
     configs = [_run_config(r) for r in runs]

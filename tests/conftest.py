@@ -2,7 +2,9 @@
 switched on where there is no GPU."""
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -35,3 +37,31 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 def device(request) -> str:
     """Every device available here: cpu always, cuda when present."""
     return request.param
+
+
+@pytest.fixture
+def held_by_another():
+    """A context manager factory: `with held_by_another(folder):` holds `rundir.output_lock(folder)`
+    in another thread for the block (another freqact process writing the folder, as the lock
+    sees it), released and joined after."""
+    from freqact import rundir
+
+    @contextlib.contextmanager
+    def hold(folder):
+        held, release = threading.Event(), threading.Event()
+
+        def writer():
+            with rundir.output_lock(folder):
+                held.set()
+                release.wait(60)
+
+        thread = threading.Thread(target=writer)
+        thread.start()
+        try:
+            assert held.wait(60)
+            yield
+        finally:
+            release.set()
+            thread.join()
+
+    return hold

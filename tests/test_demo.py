@@ -154,26 +154,13 @@ def test_cli_demo_download_and_offline_exclude_each_other():
     assert exit_info.value.code == 2
 
 
-def test_a_second_demo_into_one_folder_is_refused(tmp_path):
+def test_a_second_demo_into_one_folder_is_refused(tmp_path, held_by_another):
     from freqact import rundir
 
-    held, done = threading.Event(), threading.Event()
-
-    def first_demo():  # another writer (a thread here; another process alike)
-        with rundir.output_lock(tmp_path / "demo"):
-            held.set()
-            done.wait(60)
-
-    thread = threading.Thread(target=first_demo)
-    thread.start()
-    try:
-        assert held.wait(60)
+    with held_by_another(tmp_path / "demo"):  # a first demo (a thread here; another process alike)
         with pytest.raises(rundir.RunDirBusy, match="is in use by another freqact process"):
             demo.run(tmp_path / "demo", quick=True, offline=True, device="cpu", log=lambda line: None)
         assert sorted(p.name for p in (tmp_path / "demo").iterdir()) == [".lock"]
-    finally:
-        done.set()
-        thread.join()
 
 
 @pytest.mark.parametrize("quick", [False, True])

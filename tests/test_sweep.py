@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -169,7 +168,7 @@ def _fake_run(run, accs, images_per_s, compression=None, saved=None):
     (run.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_results_table_statistics(tmp_path, monkeypatch):
+def test_results_table_statistics(tmp_path, monkeypatch, held_by_another):
     base = {**TINY_BASE, "epochs": 3}
     study = sweep.expand(_spec(base=base, grid={"seed": [0, 1, 2]}), tmp_path)
     rng = np.random.default_rng(0)
@@ -208,22 +207,8 @@ def test_results_table_statistics(tmp_path, monkeypatch):
     from freqact.analysis import common
     monkeypatch.setattr(checkpoint, "atomic_write", recorded)
     monkeypatch.setattr(common, "atomic_write", recorded)
-    busy, release = threading.Event(), threading.Event()
-
-    def hold():  # another writer of the study's folder
-        with rundir.output_lock(tmp_path):
-            busy.set()
-            release.wait(60)
-
-    thread = threading.Thread(target=hold)
-    thread.start()
-    try:
-        assert busy.wait(60)
-        with pytest.raises(rundir.RunDirBusy):
-            sweep.write_results(study, [normal, division])
-    finally:
-        release.set()
-        thread.join()
+    with held_by_another(tmp_path), pytest.raises(rundir.RunDirBusy):  # another writer of the study
+        sweep.write_results(study, [normal, division])
     assert not (tmp_path / "results.md").exists()
     written = sweep.write_results(study, [normal, division])
     assert {p.name for p in written} == {"results.csv", "results.md", "tiny.png", "tiny.pdf"}

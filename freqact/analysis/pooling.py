@@ -98,6 +98,17 @@ def compare(h: torch.Tensor, block: int) -> dict:
     }
 
 
+def check_blocks(blocks: object) -> list[int]:
+    """`blocks` as a list of block sizes B: a non-empty sequence of integers >= 1.
+
+    Raises:
+        ValueError/TypeError: naming `blocks`.
+    """
+    if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Sequence) or not blocks:
+        raise ValueError(f"blocks: expected a non-empty list of block sizes, got {blocks!r}")
+    return [_validate.positive_int("blocks", b) for b in blocks]
+
+
 def measure(
     model: nn.Module, x: torch.Tensor, *, blocks: Sequence[int] = BLOCKS, layers: str = "blocks"
 ) -> list[dict]:
@@ -113,6 +124,6 @@ def measure(
         One row per (layer, B): {"layer", **compare(...)}; layer "input" is the batch itself.
     """
     _validate.floating_tensor("x", x)
-    blocks = [_validate.positive_int("blocks", b) for b in blocks]
+    blocks = check_blocks(blocks)
     maps = [("input", x)] + capture(model, x, select_layers(model, layers))
     return [{"layer": name, **compare(h, b)} for name, h in maps for b in blocks]

@@ -145,7 +145,16 @@ class Charger:
                 f"graph (dynamo's recompile limit reached, torch._dynamo.config.recompile_limit, "
                 f"or a disabled frame), so its {self._eager_saves} saved tensors were kept as "
                 f"they are; pad or bucket the input sizes", RuntimeWarning, stacklevel=2)
+
+    def forward_started(self) -> None:
+        """A forward of the model begins: count its eager saves from here (saves made between
+        forwards, a loss or a metric computed under the block, are not the next forward's)."""
         self._eager_saves = 0
+
+    def saved_eagerly(self, t: torch.Tensor) -> None:
+        """A hook saved t where the model runs eagerly: counted for the warning, charged kept."""
+        self._eager_saves += 1
+        self.eager(t)
 
     def _graph_inputs(self, node) -> None:
         """Charge, kept, the activations compiled graph node saves that no plan holds: its
@@ -185,8 +194,7 @@ def charge_eager(t: torch.Tensor) -> None:
     """Charge t, kept where the model runs eagerly, to the meter of this thread's block."""
     charger = getattr(_CURRENT, "charger", None)
     if charger is not None:
-        charger._eager_saves += 1
-        charger.eager(t)
+        charger.saved_eagerly(t)
 
 
 def attach(model: nn.Module, charger: Charger):
@@ -194,10 +202,7 @@ def attach(model: nn.Module, charger: Charger):
     forward hooks run eagerly, outside the graph), and make it this thread's charger of eager
     saves (`charge_eager`), until the returned handle is removed."""
     _CURRENT.charger = charger
-    # the count of eager saves starts with each forward: saves made between forwards (a loss, a
-    # metric computed under the block) are not the next forward's (a no_grad forward after a
-    # training step warned, with the loss's saves as its own)
-    start = model.register_forward_pre_hook(lambda module, args: setattr(charger, "_eager_saves", 0))
+    start = model.register_forward_pre_hook(lambda module, args: charger.forward_started())
     return _Detach(model.register_forward_hook(lambda module, args, output: charger(output)), start)
 
 

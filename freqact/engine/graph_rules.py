@@ -44,7 +44,7 @@ import torch
 from freqact.codecs.base import CODEC_DTYPES
 from freqact.engine import graph_ops
 from freqact.engine.layouts import GROUP_TOKENS, packed_nbytes, token_view
-from freqact.engine.routes import MIN_BATCH_VALUES
+from freqact.engine.routes import few_batch_values
 
 __all__ = ["GraphRoute", "route"]
 
@@ -157,7 +157,7 @@ def _batch_statistics_over_few(t: torch.Tensor, node) -> bool:
     decomposes a training BatchNorm) with fewer than `routes.MIN_BATCH_VALUES` values per channel:
     kept, as the eager rule keeps it (backward keeps only the gradient orthogonal to 1 and x_hat,
     none at 2 values, while coding noise passes unprojected)."""
-    if node is None or t.dim() < 2 or t.numel() >= MIN_BATCH_VALUES * t.shape[1]:
+    if node is None or t.dim() < 2 or not few_batch_values(t):
         return False
     batch_dims = {0, *range(2, t.dim())}
     return any(user.target is torch.ops.aten.var_mean.correction and len(user.args) > 1

@@ -55,6 +55,12 @@ P = 2, 4.5 at 3, 2.7 at 4, 1.9 at 5, at most 1.84 from 6 (above 2 at P = 4 on 3 
 Such a tensor holds fewer than 8 C values, and a map of P < 8 values packs at most 3.5x."""
 
 
+def few_batch_values(t: torch.Tensor) -> bool:
+    """Whether BatchNorm input t (N, C, ...) has fewer than `MIN_BATCH_VALUES` values per channel
+    (kept, eager and compiled: `graph_rules`)."""
+    return t.numel() < MIN_BATCH_VALUES * t.shape[1]
+
+
 class Kind(enum.Enum):
     """How the tensors saved inside a module of that type are routed."""
 
@@ -274,8 +280,7 @@ def _codec(site: Site, saved: Saved) -> Route | None:
 
 def _batchnorm(site: Site, saved: Saved) -> Route | None:
     route = _codec(site, saved)
-    t = saved.tensor
-    if route is not None and t.numel() < MIN_BATCH_VALUES * t.shape[1]:
+    if route is not None and few_batch_values(saved.tensor):
         return KEEP  # statistics over too few values per channel (`MIN_BATCH_VALUES`)
     # (N, C): the statistics run per channel over the batch; per-sample maps would mix channels of
     # different scales and lose the small differences between samples that backward divides by.
